@@ -1,0 +1,66 @@
+"""Where a stage's configuration comes from: params.yaml (under DVC), or conf/ plus overrides (by hand)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_NAME = "config"
+
+
+class StageError(Exception):
+    """A reason a stage cannot do its job; printed as one line on stderr, exit code 1."""
+
+
+def compose(overrides: list[str], root: Path | None = None) -> DictConfig:
+    """conf/ plus Hydra overrides, resolved, as `dvc exp run` composes params.yaml."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    conf_dir = (root or Path.cwd()) / "conf"
+    with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base=None):
+        cfg = hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def load(argv: list[str] | None = None) -> DictConfig:
+    """With no overrides: params.yaml in the cwd (what DVC tracks). With overrides: conf/ + overrides."""
+    overrides = sys.argv[1:] if argv is None else argv
+    if overrides:
+        try:
+            return compose(overrides)
+        except Exception as exc:  # hydra's own messages are good; keep them on one line
+            raise StageError(f"cannot compose conf/ with {overrides}: {exc}".replace("\n", " ")) from exc
+    params = Path("params.yaml")
+    if not params.exists():
+        raise StageError(f"no params.yaml in {Path.cwd()}; run from the repo root or pass overrides")
+    return OmegaConf.load(params)
+
+
+def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, object]:
+    """{'a': {'b': 1}} -> {'a.b': 1}; lists stay whole (as their string form)."""
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    flat: dict[str, object] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def run_stage(main) -> None:
+    """Entry point shared by the stages: config in, one-line reason and exit 1 on StageError."""
+    try:
+        cfg = load()
+        code = main(cfg)
+    except StageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

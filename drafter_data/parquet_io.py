@@ -1,0 +1,67 @@
+"""Parquet schemas of the contract and shard files that are either complete or absent (write, fsync, rename)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+PROMPTS = pa.schema([
+    ("prompt_id", pa.string()),
+    ("source", pa.string()),
+    ("messages", pa.list_(MESSAGE)),
+    ("tools", pa.string()),  # the record's tool declaration as JSON, null when it has none
+])
+
+COMPLETIONS = pa.schema(list(PROMPTS) + [
+    ("reasoning", pa.string()),
+    ("content", pa.string()),
+    ("finish_reason", pa.string()),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+    ("length_stop_in", pa.string()),  # reasoning | content | null: where a finish_reason=length cut the answer
+    ("request_key", pa.string()),  # hash of everything that determines the completion (resume identity)
+    ("model", pa.string()),
+    ("thinking", pa.bool_()),
+    ("target", pa.string()),
+    ("latency_s", pa.float64()),
+])
+
+TOKENS = pa.schema([
+    ("prompt_id", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+    ("num_loss_tokens", pa.int32()),
+])
+
+
+def write_table_atomic(table: pa.Table, path: Path) -> None:
+    """A reader (or a resumed run) sees the whole file or none of it, whatever kills this process."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp, compression="zstd")
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def shard_paths(directory: Path, prefix: str = "") -> list[Path]:
+    return sorted(p for p in Path(directory).glob(f"{prefix}*.parquet") if not p.name.startswith("."))
+
+
+def iter_batches(paths: list[Path], columns: list[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
+    for path in paths:
+        yield from pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=columns)
+
+
+def count_rows(paths: list[Path]) -> int:
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)

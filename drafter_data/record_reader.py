@@ -1,0 +1,160 @@
+"""Streams raw records out of prompt files (JSONL, or one JSON list), one at a time, with where each came from.
+
+A record that cannot be parsed is yielded as a `BadRecord` (with line and reason) instead of raising, so one broken
+line never stops a multi-million-record run. A file that cannot be opened raises `StageError` naming the file.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import orjson
+
+from drafter_data.config import StageError
+
+_READ_CHUNK = 1 << 20
+
+
+@dataclass(slots=True)
+class BadRecord:
+    line: int
+    index: int
+    reason: str
+    detail: str
+    raw: str
+
+
+def _raw_text(raw: bytes, limit: int = 4096) -> str:
+    text = raw.decode("utf-8", errors="backslashreplace")
+    return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more chars]"
+
+
+def _parse_error(raw: bytes, exc: Exception) -> tuple[str, str]:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return "invalid_utf8", f"invalid UTF-8 at byte {err.start}"
+    if "surrogate" in str(exc):
+        return "invalid_unicode", str(exc)
+    return "invalid_json", str(exc)
+
+
+def read_records(path: Path) -> Iterator[tuple[int, int, object] | BadRecord]:
+    """Yields (line, index, record) or BadRecord. Lines and indexes count from 1."""
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise StageError(f"cannot open prompt file {path}: {exc.strerror}") from exc
+    with fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        fh.seek(0)
+        if head.startswith(b"["):
+            yield from _json_list_records(fh, path)
+        else:
+            yield from _jsonl_records(fh)
+
+
+def _jsonl_records(fh) -> Iterator[tuple[int, int, object] | BadRecord]:
+    index = 0
+    loads = orjson.loads
+    for line_no, raw in enumerate(fh, 1):
+        if not raw.strip():
+            continue
+        index += 1
+        try:
+            yield line_no, index, loads(raw)
+        except orjson.JSONDecodeError as exc:
+            reason, detail = _parse_error(raw, exc)
+            yield BadRecord(line_no, index, reason, detail, _raw_text(raw.rstrip(b"\r\n")))
+
+
+def _json_list_records(fh, path: Path) -> Iterator[tuple[int, int, object] | BadRecord]:
+    """Incremental parse of `[rec, rec, ...]` so a multi-GB list never sits in memory at once.
+
+    Bytes are decoded with surrogateescape: invalid UTF-8 inside one element rejects that element only.
+    """
+    decoder = json.JSONDecoder()
+    buf = ""
+    pos = 0
+    line = 1
+    index = 0
+    eof = False
+    started = False
+
+    def fill() -> bool:
+        nonlocal buf, pos, eof
+        chunk = fh.read(_READ_CHUNK)
+        if not chunk:
+            eof = True
+            return False
+        buf = buf[pos:] + chunk.decode("utf-8", errors="surrogateescape")
+        pos = 0
+        return True
+
+    def skip(chars: str) -> None:
+        nonlocal pos, line
+        while True:
+            start = pos
+            n = len(buf)
+            while pos < n and buf[pos] in chars:
+                pos += 1
+            line += buf.count("\n", start, pos)
+            if pos < n or eof or not fill():
+                return
+
+    fill()
+    skip("\ufeff \t\r\n")
+    if not buf.startswith("[", pos):
+        raise StageError(f"{path}: expected a JSON list")
+    pos += 1
+    while True:
+        skip(" \t\r\n")
+        if pos >= len(buf):
+            raise StageError(f"{path}: the JSON list ends without ']' (truncated file?) at line {line}")
+        if buf[pos] == "]":
+            return
+        if started:
+            if buf[pos] != ",":
+                yield _rest_of_list(buf, pos, fh, line, index + 1, "expected ',' between list elements")
+                return
+            pos += 1
+            skip(" \t\r\n")
+        started = True
+        index += 1
+        while True:
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+                break
+            except json.JSONDecodeError as exc:
+                # An element cut by the chunk boundary: read more and try again; a real error only at EOF.
+                if not eof and fill():
+                    continue
+                yield _rest_of_list(buf, pos, fh, line, index, f"invalid JSON: {exc.msg}")
+                return
+        element_line = line
+        line += buf.count("\n", pos, end)
+        text = buf[pos:end]
+        pos = end
+        if _has_surrogates(text):
+            raw = text.encode("utf-8", errors="surrogateescape")
+            yield BadRecord(element_line, index, "invalid_utf8", "invalid UTF-8 bytes in this element", _raw_text(raw))
+            continue
+        yield element_line, index, record
+
+
+def _has_surrogates(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _rest_of_list(buf: str, pos: int, fh, line: int, index: int, reason: str) -> BadRecord:
+    """After a syntax error the rest of a JSON list cannot be split reliably: it is set aside as one reject."""
+    rest = buf[pos:] + fh.read().decode("utf-8", errors="surrogateescape")
+    raw = rest.encode("utf-8", errors="surrogateescape")
+    return BadRecord(line, index, "invalid_json", f"{reason}; the rest of the list ({len(raw)} bytes) is set aside",
+                     _raw_text(raw))
