@@ -1,0 +1,45 @@
+"""Renders a model's own chat template the way Hugging Face transformers does (sandboxed jinja2, same options,
+same `tojson`, `raise_exception` and `strftime_now`), so the text is what the serving engine renders."""
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=8)
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        self.source = source
+        self.sha256 = hashlib.sha256(source.encode()).hexdigest()
+        self._template = compile_template(source)
+        self._specials = dict(special_tokens or {})
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools=None, **kwargs) -> str:
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     **self._specials, **kwargs)

@@ -1,0 +1,274 @@
+"""Target tokenizers. Each kind encodes rendered chat text exactly as its reference does, special-token spellings
+included, and can say where a character position falls in the token sequence (for loss masks).
+
+kinds: kimi_tiktoken (Kimi K2.x: tiktoken.model + tokenizer_config.json), hf_tokenizers (a tokenizer.json, e.g.
+Qwen), server (the running llama-server's own /tokenize: the serving engine's tokens, nothing re-implemented).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from drafter_data.config import StageError
+
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+KIMI_NUM_RESERVED = 256
+MAX_CHUNK_CHARS = 400_000  # the reference cuts text into chunks of this many characters before BPE
+MAX_RUN_CHARS = 25_000  # ... and cuts runs of whitespace / non-whitespace longer than this
+_RUNS = re.compile(r"\s+|\S+")
+
+
+def _require(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise StageError(f"{what} not found: {path} (target.tokenizer_dir must be the model directory holding it)")
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def split_long_runs(text: str) -> list[str]:
+    """The reference's cut of a chunk so no piece holds more than MAX_RUN_CHARS consecutive whitespace or
+    non-whitespace characters; cut positions counted from the chunk start. Fast path: short text is never cut."""
+    if len(text) <= MAX_RUN_CHARS:
+        return [text]
+    cuts = []
+    for run in _RUNS.finditer(text):
+        start, end = run.span()
+        cuts.extend(range(start + MAX_RUN_CHARS, end, MAX_RUN_CHARS))
+    if not cuts:
+        return [text]
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+class KimiTokenizer:
+    """tiktoken BPE with the K2.x ranks, pre-tokenization regex and 256-id special block, plus the reference's
+    chunking and its handling of special-token text inside content (the transformers slow-tokenizer path)."""
+
+    kind = "kimi_tiktoken"
+
+    def __init__(self, tokenizer_dir: str | Path, literal_ids: frozenset[int] = frozenset()):
+        import tiktoken
+
+        directory = Path(tokenizer_dir)
+        model = _require(directory / "tiktoken.model", "tiktoken.model")
+        config = json.loads(_require(directory / "tokenizer_config.json", "tokenizer_config.json").read_text())
+        ranks = {}
+        with open(model, "rb") as fh:
+            for line in fh:
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+        n_base = len(ranks)
+        named = {int(i): tok["content"] for i, tok in config.get("added_tokens_decoder", {}).items()}
+        self.specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, n_base + KIMI_NUM_RESERVED)}
+        self.id_to_special = {i: s for s, i in self.specials.items()}
+        self.vocab_size = n_base + KIMI_NUM_RESERVED
+        self.files_sha256 = {"tiktoken.model": sha256_file(model)}
+        self.special_tokens_map = {k: config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                                   if isinstance(config.get(k), str)}
+        self.bos_id = self.specials.get(config.get("bos_token"))
+        self.eos_id = self.specials.get(config.get("eos_token"))
+        self.pad_id = self.specials.get(config.get("pad_token"))
+        self._enc = tiktoken.Encoding(name=f"kimi-{directory.name}", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
+                                      special_tokens=self.specials)
+        # Text spelled like these ids is encoded as plain text (e.g. the spelling of the id chosen as mask token).
+        self.literal_specials = frozenset(self.id_to_special[i] for i in literal_ids if i in self.id_to_special)
+        self.escapes_literals = True
+        self._allowed = frozenset(s for s in self.specials if s not in self.literal_specials)
+        added = sorted((s for s in named.values() if s not in self.literal_specials), key=len, reverse=True)
+        self._added_re = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
+        self._added_ids = {s: self.specials[s] for s in added}
+
+    @property
+    def name(self) -> str:
+        return self._enc.name
+
+    def encode(self, text: str, allow_special_tokens: bool = False) -> list[int]:
+        """The reference `encode`: 400k-char chunks, long runs cut, then BPE; special spellings are ids only when
+        allowed."""
+        ids: list[int] = []
+        for c in range(0, len(text), MAX_CHUNK_CHARS):
+            for piece in split_long_runs(text[c: c + MAX_CHUNK_CHARS]):
+                if allow_special_tokens:
+                    ids += self._enc.encode(piece, allowed_special=self._allowed, disallowed_special=())
+                else:
+                    ids += self._enc.encode_ordinary(piece)
+        return ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        """As `apply_chat_template(tokenize=True)`: split on the named added tokens, encode the pieces between with
+        every special spelling allowed (so `<|reserved_token_N|>` in content becomes id N, as in the reference)."""
+        if self._added_re is None:
+            return self.encode(text, allow_special_tokens=True)
+        ids: list[int] = []
+        for i, part in enumerate(self._added_re.split(text)):
+            if i % 2:
+                ids.append(self._added_ids[part])
+            elif part:
+                ids += self.encode(part, allow_special_tokens=True)
+        return ids
+
+    def encode_chat_split(self, text: str, pos: int) -> tuple[list[int], int]:
+        """(ids of text, index of the first token at or after character pos). pos must follow a named special token
+        (an assistant header ends with one), where the reference splits anyway, so encoding the two halves apart
+        gives exactly the ids of the whole."""
+        head = text[:pos]
+        if self._added_re is not None and not any(head.endswith(s) for s in self._added_ids):
+            raise ValueError("the loss-mask boundary must follow a special token for kimi_tiktoken")
+        first = self.encode_chat(head)
+        return first + self.encode_chat(text[pos:]), len(first)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+
+class HFTokenizer:
+    """A `tokenizer.json` (Hugging Face `tokenizers`), e.g. Qwen; added tokens are split out by the library itself."""
+
+    kind = "hf_tokenizers"
+
+    def __init__(self, tokenizer_dir: str | Path, literal_ids: frozenset[int] = frozenset()):
+        from tokenizers import Tokenizer
+
+        directory = Path(tokenizer_dir)
+        path = _require(directory / "tokenizer.json", "tokenizer.json")
+        self._tok = Tokenizer.from_file(str(path))
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.files_sha256 = {"tokenizer.json": sha256_file(path)}
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_tokens_map = {k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                                   if isinstance(v := config.get(k), str)}
+        self.bos_id, self.eos_id, self.pad_id = (self._tok.token_to_id(self.special_tokens_map.get(k, "")) for k in
+                                                 ("bos_token", "eos_token", "pad_token"))
+        self.escapes_literals = False
+        self.chat_template_in_config = config.get("chat_template")
+        self.name = directory.name
+
+    def encode_chat(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_chat_split(self, text: str, pos: int) -> tuple[list[int], int]:
+        enc = self._tok.encode(text, add_special_tokens=False)
+        start = next((i for i, (a, _) in enumerate(enc.offsets) if a >= pos), len(enc.ids))
+        return enc.ids, start
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+class ServerTokenizer:
+    """The serving engine's own tokenizer (llama-server /tokenize): tokens exactly as the server sees the text.
+    Also the way to cross-check a re-implemented tokenizer against a real K2.6 deployment."""
+
+    kind = "server"
+
+    def __init__(self, base_url: str, literal_ids: frozenset[int] = frozenset(), timeout: float = 60.0):
+        import httpx2
+
+        self.root = base_url.rstrip("/").removesuffix("/v1")
+        self._http = httpx2.Client(timeout=timeout)
+        self.escapes_literals = False
+        props = self._get("/props")
+        self.name = str(props.get("model_alias") or props.get("model_path") or "server")
+        self.special_tokens_map = {"bos_token": props.get("bos_token", ""), "eos_token": props.get("eos_token", "")}
+        self.bos_id = self._single_id(self.special_tokens_map["bos_token"])
+        self.eos_id = self._single_id(self.special_tokens_map["eos_token"])
+        self.pad_id = None
+        self.vocab_size = self._vocab_size()
+        self.files_sha256 = {"server": self.name}
+
+    def _get(self, path: str) -> dict:
+        resp = self._http.get(self.root + path)
+        resp.raise_for_status()
+        return resp.json()
+
+    def _post(self, path: str, body: dict) -> dict:
+        resp = self._http.post(self.root + path, json=body)
+        if resp.status_code == 404:
+            raise StageError(f"{self.root}{path} is not served: the server tokenizer needs llama-server's "
+                             f"/tokenize and /apply-template endpoints")
+        resp.raise_for_status()
+        return resp.json()
+
+    def _single_id(self, text: str) -> int | None:
+        if not text:
+            return None
+        ids = self._post("/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
+        return ids[0] if len(ids) == 1 else None
+
+    def _vocab_size(self) -> int | None:
+        try:
+            meta = self._get("/v1/models")["data"][0].get("meta", {})
+            return meta.get("n_vocab")
+        except Exception:  # noqa: BLE001 - informative only
+            return None
+
+    def apply_template(self, messages: list[dict], **template_kwargs) -> str:
+        return self._post("/apply-template", {"messages": messages, "chat_template_kwargs": template_kwargs})["prompt"]
+
+    def _tokens(self, text: str) -> list[dict]:
+        return self._post("/tokenize", {"content": text, "add_special": False, "parse_special": True,
+                                        "with_pieces": True})["tokens"]
+
+    def encode_chat(self, text: str) -> list[int]:
+        return [t["id"] for t in self._tokens(text)]
+
+    def encode_chat_split(self, text: str, pos: int) -> tuple[list[int], int]:
+        tokens = self._tokens(text)
+        boundary = len(text[:pos].encode("utf-8"))
+        offset, start = 0, len(tokens)
+        for i, tok in enumerate(tokens):
+            if offset >= boundary:
+                start = i
+                break
+            piece = tok["piece"]
+            offset += len(piece.encode("utf-8")) if isinstance(piece, str) else len(piece)
+        return [t["id"] for t in tokens], start
+
+    def decode(self, ids: list[int]) -> str:
+        return self._post("/detokenize", {"tokens": ids})["content"]
+
+
+def load_tokenizer(target, base_url: str | None = None, literal_ids: frozenset[int] = frozenset()):
+    """literal_ids: special ids whose spelling inside text is encoded as plain text, where the kind can
+    (`escapes_literals`); elsewhere such text still becomes the id and callers must check for it."""
+    kind = target.tokenizer
+    if kind == "kimi_tiktoken":
+        return KimiTokenizer(_tokenizer_dir(target), literal_ids)
+    if kind == "hf_tokenizers":
+        return HFTokenizer(_tokenizer_dir(target), literal_ids)
+    if kind == "server":
+        if not base_url:
+            raise StageError("target.tokenizer=server needs a running server (server.base_url)")
+        return ServerTokenizer(base_url, literal_ids)
+    raise StageError(f"unknown target.tokenizer {kind!r}: use kimi_tiktoken, hf_tokenizers or server")
+
+
+def _tokenizer_dir(target) -> Path:
+    if not target.get("tokenizer_dir"):
+        raise StageError(f"target {target.name}: set target.tokenizer_dir to the model directory with its tokenizer")
+    directory = Path(target.tokenizer_dir)
+    if not directory.is_dir():
+        raise StageError(f"target.tokenizer_dir {directory.resolve()} does not exist; point it at the model "
+                         f"directory holding the tokenizer files and chat_template.jinja")
+    return directory

@@ -1,0 +1,196 @@
+"""The tokenize stage reproduces the official Kimi K2.6 tokenization (goldens made with the reference code)."""
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from drafter_data.conversation_tokens import ConversationTokenizer
+from drafter_data.tokenizers import KimiTokenizer, split_long_runs
+from tests.conftest import KIMI_DIR, REPO, read_rows, require_shared
+
+
+def goldens(name="golden.jsonl"):
+    return [json.loads(line) for line in require_shared(KIMI_DIR / name).read_text().splitlines()]
+
+
+def completion_row(case_id: str, messages: list[dict], **extra) -> dict:
+    """A completions row as generate writes it; fields beyond role/content travel in message_extras."""
+    *prompt, final = messages
+    return {
+        "prompt_id": case_id,
+        "source": "golden",
+        "messages": [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else ""}
+                     for m in prompt],
+        "message_extras": orjson.dumps([{k: v for k, v in m.items() if k not in ("role",)
+                                         and not (k == "content" and isinstance(v, str))} for m in prompt]).decode(),
+        "reasoning": final.get("reasoning_content"),
+        "content": final["content"],
+        "tool_calls": orjson.dumps(final["tool_calls"]).decode() if final.get("tool_calls") else None,
+        "finish_reason": "stop",
+        "prompt_tokens": 1,
+        "completion_tokens": 1,
+        **extra,
+    }
+
+
+def write_completions(directory: Path, rows: list[dict]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), directory / "completions-00000.parquet")
+    return directory
+
+
+def kimi_overrides(inp: Path, out: Path, thinking: bool = True, kwargs: str = "{preserve_thinking:true}"):
+    return ["target=kimi-k2.6", f"target.tokenizer_dir={KIMI_DIR}", f"generation.thinking={str(thinking).lower()}",
+            f"tokenize.template_kwargs={kwargs}", f"tokenize.input={inp}", f"tokenize.output={out}"]
+
+
+def test_every_chat_golden_reproduces_through_the_stage(run_stage, tmp_path):
+    groups = defaultdict(list)
+    prompt_only = []
+    for case in goldens():
+        kwargs = {k: v for k, v in case["template_kwargs"].items() if k not in ("add_generation_prompt", "thinking")}
+        if case["add_generation_prompt"]:
+            prompt_only.append(case)
+            continue
+        thinking = True if case["thinking"] is None else case["thinking"]
+        groups[(thinking, json.dumps(kwargs, sort_keys=True))].append(case)
+    assert sum(map(len, groups.values())) == 14 and len(prompt_only) == 2
+    for i, ((thinking, kwargs_json), cases) in enumerate(sorted(groups.items())):
+        kwargs = json.loads(kwargs_json)
+        inp = write_completions(tmp_path / f"in{i}", [completion_row(c["id"], c["messages"]) for c in cases])
+        kw = "{" + ",".join(f"{k}:{str(v).lower()}" for k, v in kwargs.items()) + "}"
+        run_stage("tokenize", *kimi_overrides(inp, tmp_path / f"out{i}", thinking, kw), "tokenize.workers=2")
+        rows = {r["prompt_id"]: r for r in read_rows(tmp_path / f"out{i}")}
+        for case in cases:
+            row = rows[case["id"]]
+            start, end = case["assistant_token_span"]
+            assert row["input_ids"] == case["input_ids"], case["id"]
+            assert end == len(case["input_ids"])
+            assert row["loss_mask"] == [0] * start + [1] * (end - start), case["id"]
+        meta = json.loads((tmp_path / f"out{i}" / "meta.json").read_text())
+        assert meta["thinking"] is thinking and meta["special_ids"]["mask_token_id"] == 163837
+        assert meta["vocab_size"] == 163840 and meta["special_ids"]["bos"] == 163584
+        assert meta["tokenizer"]["files_sha256"]["tiktoken.model"].startswith("b6c497a7469b")
+
+
+def test_prompt_renderings_match_the_goldens():
+    target = OmegaConf.load(REPO / "conf/target/kimi-k2.6.yaml")
+    target.tokenizer_dir = str(KIMI_DIR)
+    tok = KimiTokenizer(KIMI_DIR)
+    checked = 0
+    for case in goldens():
+        kwargs = {k: v for k, v in case["template_kwargs"].items() if k not in ("add_generation_prompt", "thinking")}
+        conv = ConversationTokenizer(target, tok, True if case["thinking"] is None else case["thinking"], kwargs)
+        if case["add_generation_prompt"]:
+            assert conv.render(case["messages"], add_generation_prompt=True) == case["rendered"]
+            assert conv.prompt_ids(case["messages"]) == case["input_ids"]
+            checked += 1
+        if case.get("prompt"):
+            assert conv.prompt_ids(case["messages"][:-1]) == case["prompt"]["input_ids"], case["id"]
+            checked += 1
+        assert tok.decode(case["input_ids"]) == case["rendered"]
+    assert checked >= 10
+
+
+def test_plain_encoding_goldens():
+    tok = KimiTokenizer(KIMI_DIR)
+    for case in goldens("encode_golden.jsonl"):
+        assert tok.encode(case["text"], allow_special_tokens=False) == case["ids_special_disallowed"], case["id"]
+        assert tok.encode(case["text"], allow_special_tokens=True) == case["ids_special_allowed"], case["id"]
+
+
+def test_long_runs_are_cut_like_the_reference():
+    """The reference's cut, written as the plain per-character loop it is, against the fast version."""
+
+    def reference(s, limit=25_000):
+        out, run, is_space, start = [], 0, s[0].isspace() if s else False, 0
+        for i, ch in enumerate(s):
+            if is_space ^ ch.isspace():
+                run, is_space = 1, ch.isspace()
+            else:
+                run += 1
+                if run > limit:
+                    out.append(s[start:i])
+                    start, run = i, 1
+        out.append(s[start:])
+        return out
+
+    for text in ["a" * 60_001, " " * 25_001 + "b" * 50_000 + "\n" * 3, "x y " * 9000, "é" * 25_000,
+                 "ab " + "\u3000" * 30_000 + "z" * 24_999]:
+        assert split_long_runs(text) == reference(text)
+
+
+def test_long_segment_between_special_tokens(run_stage, tmp_path):
+    """A >25k run in content: the cut counts from the segment start, not from the start of the rendering."""
+    tok = KimiTokenizer(KIMI_DIR)
+    content = "y" * 30_000
+    inp = write_completions(tmp_path / "in", [completion_row("long", [{"role": "user", "content": "hi"},
+                                                                       {"role": "assistant", "content": content}])])
+    run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out"), "tokenize.max_length=100000")
+    (row,) = read_rows(tmp_path / "out")
+    body = tok.encode("y" * 25_000) + tok.encode("y" * 5_000)
+    assert row["input_ids"][-len(body) - 1:-1] == body and row["input_ids"][-1] == tok.specials["<|im_end|>"]
+
+
+def test_mask_token_text_is_escaped_or_dropped(run_stage, tmp_path):
+    spelled = "<|reserved_token_163837|>"
+    rows = [completion_row("spells", [{"role": "user", "content": f"say {spelled}"},
+                                      {"role": "assistant", "content": f"ok {spelled}"}]),
+            completion_row("clean", [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}])]
+    inp = write_completions(tmp_path / "in", rows)
+    run_stage("tokenize", *kimi_overrides(inp, tmp_path / "esc"))
+    out = {r["prompt_id"]: r for r in read_rows(tmp_path / "esc")}
+    assert set(out) == {"spells", "clean"} and all(163837 not in r["input_ids"] for r in out.values())
+    tok = KimiTokenizer(KIMI_DIR)
+    assert tok.decode(out["spells"]["input_ids"]).count(spelled) == 2  # kept as the text it is
+    assert json.loads((tmp_path / "esc" / "meta.json").read_text())["rows"]["mask_text_escaped"] == 1
+    run_stage("tokenize", *kimi_overrides(inp, tmp_path / "drop"), "tokenize.on_mask_token_text=drop")
+    assert [r["prompt_id"] for r in read_rows(tmp_path / "drop")] == ["clean"]
+    assert json.loads((tmp_path / "drop" / "meta.json").read_text())["rows"]["dropped.mask_token_in_text"] == 1
+
+
+def test_length_policies(run_stage, tmp_path):
+    rows = [completion_row(f"r{i}", [{"role": "user", "content": "count"},
+                                     {"role": "assistant", "content": " ".join(map(str, range(40 * i)))}],
+                           finish_reason="length" if i == 3 else "stop") for i in (0, 2, 3)]
+    inp = write_completions(tmp_path / "in", rows)
+    run_stage("tokenize", *kimi_overrides(inp, tmp_path / "a"), "tokenize.max_length=60")
+    a = {r["prompt_id"]: r for r in read_rows(tmp_path / "a")}
+    meta = json.loads((tmp_path / "a" / "meta.json").read_text())
+    assert set(a) == {"r0", "r2", "r3"} and all(len(r["input_ids"]) <= 60 for r in a.values())
+    assert meta["rows"]["truncated"] == 2 and meta["rows"]["finish_length"] == 1
+    run_stage("tokenize", *kimi_overrides(inp, tmp_path / "b"), "tokenize.max_length=60",
+              "tokenize.overlength=drop", "tokenize.on_length_finish=drop")
+    b = {r["prompt_id"]: r for r in read_rows(tmp_path / "b")}
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    assert "r3" not in b and meta["rows"]["dropped.finish_length"] == 1
+    assert all(len(r["input_ids"]) <= 60 for r in b.values())
+    assert set(b) == {"r0"} and meta["rows"]["dropped.over_max_length"] == 1 and meta["rows"]["kept"] == 1
+
+
+def test_refuses_completions_of_another_thinking_mode_or_target(run_stage, tmp_path):
+    rows = [completion_row("x", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                           thinking=False, target="kimi-k2.6")]
+    inp = write_completions(tmp_path / "in", rows)
+    proc = run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out", thinking=True), check=False)
+    assert proc.returncode == 1 and "thinking" in proc.stderr.strip().splitlines()[-1]
+    rows[0].update(thinking=True, target="qwen3")
+    inp = write_completions(tmp_path / "in2", rows)
+    proc = run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out", thinking=True), check=False)
+    assert proc.returncode == 1 and "target" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_missing_tokenizer_file_is_a_clear_error(run_stage, tmp_path):
+    inp = write_completions(tmp_path / "in", [completion_row("x", [{"role": "user", "content": "q"},
+                                                                   {"role": "assistant", "content": "a"}])])
+    (tmp_path / "model").mkdir()
+    args = kimi_overrides(inp, tmp_path / "out")
+    args[1] = f"target.tokenizer_dir={tmp_path / 'model'}"
+    proc = run_stage("tokenize", *args, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "tiktoken.model not found" in last and str(tmp_path / "model") in last
