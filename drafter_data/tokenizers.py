@@ -92,7 +92,6 @@ class KimiTokenizer:
                                       special_tokens=self.specials)
         # Text spelled like these ids is encoded as plain text (e.g. the spelling of the id chosen as mask token).
         self.literal_specials = frozenset(self.id_to_special[i] for i in literal_ids if i in self.id_to_special)
-        self.escapes_literals = True
         self._allowed = frozenset(s for s in self.specials if s not in self.literal_specials)
         added = sorted((s for s in named.values() if s not in self.literal_specials), key=len, reverse=True)
         self._added_re = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
@@ -160,7 +159,7 @@ class HFTokenizer:
                                    if isinstance(v := config.get(k), str)}
         self.bos_id, self.eos_id, self.pad_id = (self._tok.token_to_id(self.special_tokens_map.get(k, "")) for k in
                                                  ("bos_token", "eos_token", "pad_token"))
-        self.escapes_literals = False
+        self.literal_specials = frozenset()  # spellings of special ids in text become the ids; callers check
         self.chat_template_in_config = config.get("chat_template")
         self.name = directory.name
 
@@ -187,7 +186,7 @@ class ServerTokenizer:
 
         self.root = base_url.rstrip("/").removesuffix("/v1")
         self._http = httpx2.Client(timeout=timeout)
-        self.escapes_literals = False
+        self.literal_specials = frozenset()  # spellings of special ids in text become the ids; callers check
         props = self._get("/props")
         self.name = str(props.get("model_alias") or props.get("model_path") or "server")
         self.special_tokens_map = {"bos_token": props.get("bos_token", ""), "eos_token": props.get("eos_token", "")}
@@ -251,7 +250,7 @@ class ServerTokenizer:
 
 def load_tokenizer(target, base_url: str | None = None, literal_ids: frozenset[int] = frozenset()):
     """literal_ids: special ids whose spelling inside text is encoded as plain text, where the kind can
-    (`escapes_literals`); elsewhere such text still becomes the id and callers must check for it."""
+    (kimi_tiktoken); elsewhere such text still becomes the id and callers must check for it."""
     kind = target.tokenizer
     if kind == "kimi_tiktoken":
         return KimiTokenizer(_tokenizer_dir(target), literal_ids)

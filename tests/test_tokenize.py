@@ -194,3 +194,17 @@ def test_missing_tokenizer_file_is_a_clear_error(run_stage, tmp_path):
     proc = run_stage("tokenize", *args, check=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "tiktoken.model not found" in last and str(tmp_path / "model") in last
+
+
+def test_prepare_drops_prompts_over_max_prompt_tokens_for_the_target(run_stage, tmp_path):
+    """The golden prompt-only case has a known length in K2.6 tokens: the limit keeps it at n, drops it at n-1."""
+    case = next(c for c in goldens() if c["id"] == "kimi_08_prompt_only_default")
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"messages": case["messages"]}) + "\n" + json.dumps({"prompt": "short"}) + "\n")
+    n = case["num_tokens"]
+    for limit, kept in ((n, 2), (n - 1, 1)):
+        out = tmp_path / f"out{limit}"
+        run_stage("prepare", f"prepare.output={out}", f"prepare.sources=[{{name:p,path:'{src}',format:auto}}]",
+                  "target=kimi-k2.6", f"target.tokenizer_dir={KIMI_DIR}", f"prepare.max_prompt_tokens={limit}")
+        stats = json.loads((out / "stats.json").read_text())["p"]
+        assert stats["kept"] == kept and stats["dropped"].get("too_many_tokens", 0) == 2 - kept
