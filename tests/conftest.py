@@ -48,3 +48,69 @@ def read_rows(directory: Path, prefix: str = "") -> list[dict]:
 def sources_override(*sources: tuple[str, Path, str]) -> str:
     inner = ",".join(f"{{name:{n},path:'{p}',format:{f}}}" for n, p, f in sources)
     return f"prepare.sources=[{inner}]"
+
+
+class FakeServerProcess:
+    """The fault-injecting test server (tests/fake_openai_server.py) in its own process, on a free loopback port."""
+
+    def __init__(self, config: dict | None = None, port: int = 0):
+        import json as _json
+
+        self.config = config or {}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fake_openai_server", "--port", str(port),
+                                      "--config", _json.dumps(self.config)], cwd=REPO, stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith("READY"):
+            self.stop()
+            raise RuntimeError(f"fake server did not start: {line!r}")
+        self.port = int(line.split()[1])
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def stats(self, **query) -> dict:
+        import json as _json
+        import urllib.parse
+        import urllib.request
+
+        qs = urllib.parse.urlencode(query)
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats?{qs}", timeout=10) as resp:
+            return _json.loads(resp.read())
+
+    def stop(self) -> None:
+        import signal as _signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, _signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def fake_server():
+    started = []
+
+    def start(config: dict | None = None, port: int = 0) -> FakeServerProcess:
+        server = FakeServerProcess(config, port)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def write_prompts(directory: Path, n: int, words: int = 3, start: int = 0) -> list[dict]:
+    """A prompts directory as prepare writes it, with n distinct prompts."""
+    import hashlib
+
+    import pyarrow as pa
+
+    from drafter_data.parquet_io import PROMPTS
+
+    rows = []
+    for i in range(start, start + n):
+        messages = [{"role": "user", "content": " ".join(f"word{i}-{j}" for j in range(words))}]
+        rows.append({"prompt_id": hashlib.sha256(str(messages).encode()).hexdigest()[:32], "source": "test",
+                     "messages": messages, "tools": None})
+    directory.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS), directory / "prompts-00000.parquet")
+    return rows
