@@ -194,7 +194,8 @@ class ServerTokenizer:
         self.eos_id = self._single_id(self.special_tokens_map["eos_token"])
         self.pad_id = None
         self.vocab_size = self._vocab_size()
-        self.files_sha256 = {"server": self.name}
+        model_path = Path(str(props.get("model_path") or ""))
+        self.files_sha256 = {model_path.name: sha256_file(model_path)} if model_path.is_file() else {}
 
     def _get(self, path: str) -> dict:
         resp = self._http.get(self.root + path)

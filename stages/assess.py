@@ -70,7 +70,7 @@ async def measure_level(client, params: dict, thinking: bool, prompts, concurren
     for _ in range(n_requests):
         queue.put_nowait(next(prompts))
     samples: list[Sample] = []
-    started, drained = [], []
+    started, drained, retries = [], [], []
 
     async def worker():
         first = True
@@ -83,8 +83,17 @@ async def measure_level(client, params: dict, thinking: bool, prompts, concurren
             if first:
                 started.append(time.monotonic())
                 first = False
-            t0 = time.monotonic()
-            done = await _timed_stream(client, messages, params, thinking)
+            for attempt in range(1, 6):  # same fault handling as generate; retries are counted in the level's stats
+                t0 = time.monotonic()
+                try:
+                    done = await _timed_stream(client, messages, params, thinking)
+                    break
+                except Exception as exc:  # noqa: BLE001
+                    fault = sc.classify(exc)
+                    if fault.kind == "permanent" or attempt == 5:
+                        raise StageError(f"assess: a request failed: {fault.reason}") from None
+                    retries.append(fault.reason)
+                    await asyncio.sleep(sc.backoff_s(attempt, retry_after=fault.retry_after_s))
             samples.append(Sample(t0, time.monotonic(), done[0], done[1], done[2], done[3], done[4]))
 
     t_begin = time.monotonic()
@@ -94,7 +103,7 @@ async def measure_level(client, params: dict, thinking: bool, prompts, concurren
     w0, w1 = max(started), min(drained)
     if w1 - w0 < 0.5:  # too few requests for a steady state: use the whole run
         w0, w1 = t_begin, t_end
-    return samples, (w0, w1)
+    return samples, (w0, w1), len(retries)
 
 
 async def _timed_stream(client, messages, params, thinking):
@@ -232,8 +241,8 @@ async def _assess(cfg, url: str) -> dict:
         results, all_samples = [], []
         for c in levels:
             n = max(int(a.requests_per_level), 3 * c)
-            samples, window = await measure_level(client, params, thinking, prompts, c, n)
-            results.append(summarize(c, samples, window))
+            samples, window, retries = await measure_level(client, params, thinking, prompts, c, n)
+            results.append({**summarize(c, samples, window), "retries": retries})
             all_samples += samples
             lv = results[-1]
             print(f"concurrency {c:>4}: {lv['output_tokens_per_s']:8.1f} tok/s  {lv['requests_per_s']:6.2f} req/s  "

@@ -48,6 +48,15 @@ def iter_prompts(paths: list[Path], identity: bytes):
             yield row
 
 
+def assessed_tokens_per_s(cfg) -> float | None:
+    """The best output tok/s the assess stage measured for this server, if it has run."""
+    path = Path(cfg.assess.output) / "metrics.json"
+    try:
+        return float(json.loads(path.read_text())["best"]["output_tokens_per_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 @dataclass
 class ServerState:
     url: str
@@ -110,7 +119,7 @@ class Generator:
         self.pending: list[dict] = []
         self.c = Counters()
         self.stopping = asyncio.Event()
-        self.fatal: BaseException | None = None
+        self.assessed_tok_s = assessed_tokens_per_s(cfg)
 
     async def one(self, item: dict) -> None:
         attempt = 0
@@ -222,14 +231,27 @@ class Generator:
                 bar.update(self.c.done + self.c.errors - shown)
                 shown = self.c.done + self.c.errors
                 tok_s = self.c.output_tokens / max(now - t0, 1e-9)
-                bar.set_postfix(tok_s=f"{tok_s:.0f}", errors=self.c.errors, retries=self.c.retries, refresh=False)
+                eta_h, projected_h = self.eta_hours(total, now - t0)
+                bar.set_postfix(tok_s=f"{tok_s:.0f}", errors=self.c.errors, retries=self.c.retries,
+                                eta_h=f"{eta_h:.2f}" if eta_h is not None else "-",
+                                assessed_h=f"{projected_h:.2f}" if projected_h is not None else "-", refresh=False)
                 if now - last_flush >= FLUSH_INTERVAL_S and self.pending:
                     self.flush()
                     last_flush = now
-                self.run.metrics(self.metrics(now - t0), step=int(now - t0), flush_every_s=15.0)
+                self.run.metrics({**self.metrics(now - t0), "eta_hours": eta_h, "assessed_eta_hours": projected_h},
+                                 step=int(now - t0), flush_every_s=15.0)
         finally:
             bar.update(self.c.done + self.c.errors - shown)
             bar.close()
+
+    def eta_hours(self, total: int, elapsed: float) -> tuple[float | None, float | None]:
+        """Hours left at the rate seen so far, and as the assessment's measured tok/s projects them."""
+        left = total - self.c.done - self.c.errors
+        eta = left / (self.c.done / elapsed) / 3600 if self.c.done and elapsed > 0 else None
+        projected = None
+        if self.assessed_tok_s and self.c.done:
+            projected = left * (self.c.output_tokens / self.c.done) / self.assessed_tok_s / 3600
+        return eta, projected
 
     def metrics(self, elapsed: float) -> dict:
         lat = np.asarray(self.c.latencies[-2000:]) if self.c.latencies else None
@@ -239,6 +261,7 @@ class Generator:
             "requests_per_s": self.c.done / max(elapsed, 1e-9),
             "latency_p50_s": float(np.percentile(lat, 50)) if lat is not None else None,
             "latency_p99_s": float(np.percentile(lat, 99)) if lat is not None else None,
+            "assessed_output_tokens_per_s": self.assessed_tok_s,
         }
 
 

@@ -207,7 +207,8 @@ def main(cfg) -> int:
             "vocab_size": tokenizer.vocab_size,
             "special_ids": {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id,
                             "mask_token_id": settings["mask_token_id"]},
-            "mask_token_text_policy": tcfg.on_mask_token_text,
+            # escape only where the tokenizer can encode the spelling as text; elsewhere such rows are dropped
+            "mask_token_text_policy": "escape" if tokenizer.literal_specials else "drop",
             "chat_template_sha256": conv.template.sha256,
             "thinking": settings["thinking"],
             "template_kwargs": conv.kwargs,
