@@ -114,3 +114,36 @@ def write_prompts(directory: Path, n: int, words: int = 3, start: int = 0) -> li
     directory.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS), directory / "prompts-00000.parquet")
     return rows
+
+
+@pytest.fixture(scope="session")
+def llama_server():
+    """The real llama-server (built by ./setup.sh) with the Gemma 3 270M GGUF, on a free loopback port."""
+    import signal as _signal
+    import time as _time
+
+    from omegaconf import OmegaConf
+
+    from drafter_data.local_server import default_binary, default_model_path, free_port, healthy, server_command
+
+    if not default_binary().exists() or not default_model_path().exists():
+        pytest.fail(f"llama-server or the model is missing ({default_binary()}, {default_model_path()}): "
+                    f"run ./setup.sh first")
+    local = OmegaConf.load(REPO / "conf/server/local.yaml").local
+    local.chat_template = str(REPO / local.chat_template)
+    local.slots, local.context = 8, 8192
+    port = free_port()
+    proc = subprocess.Popen(server_command(local, "gemma-3-270m", port), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = _time.monotonic() + 60
+    while not healthy(url, timeout=1.0):
+        if proc.poll() is not None or _time.monotonic() > deadline:
+            pytest.fail(f"llama-server did not start (exit code {proc.poll()})")
+        _time.sleep(0.2)
+    yield url
+    os.killpg(proc.pid, _signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, _signal.SIGKILL)
