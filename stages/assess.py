@@ -279,8 +279,8 @@ def main(cfg) -> int:
                      "projection.hours": p["hours"], "projection.days": p["days"],
                      "projection.storage_gb": p["storage_gb"]})
         for lv in metrics["levels"]:
-            run.metrics({k: lv[k] for k in ("output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s")},
-                        step=lv["concurrency"])
+            run.metrics({f"level.{k}": lv[k] for k in ("output_tokens_per_s", "requests_per_s", "ttft_p50_s",
+                                                        "ttft_p99_s")}, step=lv["concurrency"])
         for path in [out_dir / "metrics.json", out_dir / "report.md", *pngs]:
             run.artifact(path)
     return 0

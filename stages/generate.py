@@ -301,6 +301,8 @@ async def _generate(cfg, urls: list[str], run) -> int:
         summary = {**gen.metrics(elapsed), "elapsed_s": elapsed, "prompts": len(current), "done_total": len(all_done),
                    "failed_total": n_errors, "stale_moved": store.stale_rows}
         (Path(g.output) / "run.json").write_text(json.dumps(summary, indent=2))
+        run.artifact(Path(g.output) / "run.json")
+        run.artifact(Path(g.output) / "errors.jsonl")
         run.metrics({**gen.metrics(elapsed), "done_total": len(all_done), "failed_total": n_errors})
         print(f"generate: {gen.c.done} completions this run ({len(all_done)}/{len(current)} done), "
               f"{gen.c.errors} failed for good, {gen.c.retries} retries, "
