@@ -8,6 +8,7 @@ export DVC_NO_ANALYTICS=1
 if ! python3 -m uv --version >/dev/null 2>&1; then
   python3 -m pip install -q uv 2>&1 | grep -v -e "^WARNING: Location" -e "Running pip as the 'root'" || true
 fi
-python3 -m uv sync --frozen --quiet
+# bytecode compiled once here: every stage is a fresh process, and some environments disable .pyc writing
+python3 -m uv sync --frozen --quiet --compile-bytecode
 bash scripts/build_llama_server.sh
 .venv/bin/python -m drafter_data.local_server --setup

@@ -43,16 +43,17 @@ def detect(record: Any) -> str:
     raise Malformed("missing_field", f"no known prompt field among keys {sorted(record)[:8]}")
 
 
-def to_turns(record: Any, fmt: str) -> list[tuple[str, str]]:
-    """The record's whole conversation as (role, text) pairs, roles already mapped."""
+def to_turns(record: Any, fmt: str, first_only: bool = False) -> list[tuple[str, str]]:
+    """The record's conversation as (role, text) pairs, roles already mapped; with first_only it stops reading at
+    the first user turn (all a `first` prompt needs; later turns are then not validated)."""
     if fmt in ("auto", "jsonl"):
         fmt = detect(record)
     elif not isinstance(record, dict):
         raise Malformed("wrong_type", f"a record must be a JSON object, got {type(record).__name__}")
     if fmt == "sharegpt":
-        return _sharegpt(record)
+        return _sharegpt(record, first_only)
     if fmt == "openai":
-        return _openai(record)
+        return _openai(record, first_only)
     if fmt == "alpaca":
         return _alpaca(record)
     if fmt == "prompt":
@@ -92,19 +93,25 @@ def _turn_list(record: dict, key: str) -> list:
     return turns
 
 
-def _sharegpt(record: dict) -> list[tuple[str, str]]:
+def _sharegpt(record: dict, first_only: bool = False) -> list[tuple[str, str]]:
     key = "conversations" if "conversations" in record else "messages"
     out = []
     for i, turn in enumerate(_turn_list(record, key)):
         if not isinstance(turn, dict):
             raise Malformed("wrong_type", f"{key}[{i}] must be an object")
-        if "from" not in turn or "value" not in turn:
-            raise Malformed("missing_field", f"{key}[{i}] needs 'from' and 'value'")
-        out.append((_role(turn["from"], f"{key}[{i}].from"), _text(turn["value"], f"{key}[{i}].value")))
+        speaker, value = turn.get("from"), turn.get("value")
+        role = ROLE_NAMES.get(speaker) if isinstance(speaker, str) else None  # fast path: exact speaker names
+        if role is None or not isinstance(value, str):
+            if "from" not in turn or "value" not in turn:
+                raise Malformed("missing_field", f"{key}[{i}] needs 'from' and 'value'")
+            role, value = _role(speaker, f"{key}[{i}].from"), _text(value, f"{key}[{i}].value")
+        out.append((role, value))
+        if first_only and role == "user":
+            break
     return out
 
 
-def _openai(record: dict) -> list[tuple[str, str]]:
+def _openai(record: dict, first_only: bool = False) -> list[tuple[str, str]]:
     out = []
     for i, msg in enumerate(_turn_list(record, "messages")):
         if not isinstance(msg, dict):
@@ -115,6 +122,8 @@ def _openai(record: dict) -> list[tuple[str, str]]:
         if content is None and msg.get("tool_calls"):
             content = orjson.dumps(msg["tool_calls"]).decode()
         out.append((_role(msg["role"], f"messages[{i}].role"), _text(content, f"messages[{i}].content")))
+        if first_only and out[-1][0] == "user":
+            break
     return out
 
 

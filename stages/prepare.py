@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from drafter_data import chat_formats
 from drafter_data.config import StageError, run_stage
-from drafter_data.parquet_io import PROMPTS, iter_batches, shard_paths, write_table_atomic
+from drafter_data.parquet_io import MESSAGE, PROMPTS, iter_batches, shard_paths, write_table_atomic
 from drafter_data.record_reader import BadRecord, read_records
 from drafter_data.tracking import stage_run
 
@@ -99,16 +99,20 @@ def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts, to
     max_tokens = cfg.get("max_prompt_tokens")
     digests = bytearray()
     source_of = array("H")
-    ids, srcs, msgs, tools_col = [], [], [], []
+    ids, srcs, tools_col, offsets, roles, contents = [], [], [], [0], [], []
     shard = 0
 
     def flush():
-        nonlocal shard, ids, srcs, msgs, tools_col
+        nonlocal shard, ids, srcs, tools_col, offsets, roles, contents
         if ids:
-            table = pa.table({"prompt_id": ids, "source": srcs, "messages": msgs, "tools": tools_col}, schema=PROMPTS)
+            # built from flat columns: much faster than converting a list of lists of dicts
+            messages = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.StructArray.from_arrays(
+                [pa.array(roles, pa.string()), pa.array(contents, pa.string())], fields=list(MESSAGE)))
+            table = pa.table([pa.array(ids, pa.string()), pa.array(srcs, pa.string()), messages,
+                              pa.array(tools_col, pa.string())], schema=PROMPTS)
             pq.write_table(table, tmp_dir / f"pass1-{shard:05d}.parquet", compression="zstd")
             shard += 1
-            ids, srcs, msgs, tools_col = [], [], [], []
+            ids, srcs, tools_col, offsets, roles, contents = [], [], [], [0], [], []
 
     for src_index, src in enumerate(sources):
         name, path, fmt = src["name"], src["path"], src["format"]
@@ -119,7 +123,7 @@ def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts, to
                 continue
             line, index, record = item
             try:
-                turns = chat_formats.to_turns(record, fmt)
+                turns = chat_formats.to_turns(record, fmt, first_only=turns_mode == "first")
                 tools = chat_formats.tools_of(record)
             except chat_formats.Malformed as exc:
                 acc.reject(name, path, line, index, exc.args[0], exc.args[1], _raw(record))
@@ -149,8 +153,11 @@ def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts, to
             source_of.append(src_index)
             ids.append(digest.hex())
             srcs.append(name)
-            msgs.append(messages)
             tools_col.append(tools)
+            for m in messages:
+                roles.append(m["role"])
+                contents.append(m["content"])
+            offsets.append(len(roles))
             if len(ids) >= BATCH:
                 flush()
     flush()
