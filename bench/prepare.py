@@ -14,7 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# run as a script, bench/ would be first on sys.path and bench/tokenize.py would shadow the stdlib module
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench._common import REPO, SHARED, run_measured  # noqa: E402
 
 PARSE_ONLY = """

@@ -62,8 +62,9 @@ class ConversationTokenizer:
                 raise ValueError(f"the rendered conversation has no final assistant header {self.header!r}")
         return end + len(self.header)
 
-    def tokenize(self, messages: list[dict], tools=None) -> tuple[str, list[int], int]:
-        """messages end with the assistant turn to learn. Returns (rendered text, input_ids, first masked index)."""
+    def tokenize(self, messages: list[dict], tools=None):
+        """messages end with the assistant turn to learn. Returns (rendered text, input_ids as an int32 array,
+        first masked index)."""
         text = self.render(messages, tools)
         ids, start = self.tokenizer.encode_chat_split(text, self.mask_start_char(text, messages[-1]))
         return text, ids, start

@@ -19,15 +19,16 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
 from drafter_data.config import StageError, run_stage
 from drafter_data.conversation_tokens import ConversationTokenizer, final_assistant_message
 from drafter_data.parquet_io import TOKENS, iter_batches, shard_paths, write_table_atomic
 from drafter_data.tokenizers import load_tokenizer
-from drafter_data.tracking import stage_run
+from drafter_data.tracking import preload, stage_run
 
-BATCH_ROWS = 256
 _worker = {}
 
 
@@ -52,7 +53,7 @@ def _messages(row: dict) -> list[dict]:
 def tokenize_batch(rows: list[dict]) -> tuple[dict, Counter, list[int]]:
     conv, s = _worker["conv"], _worker["settings"]
     mask_id, max_len = s["mask_token_id"], s["max_length"]
-    out = {"prompt_id": [], "input_ids": [], "loss_mask": [], "num_tokens": [], "num_loss_tokens": []}
+    out = {"prompt_id": [], "input_ids": [], "mask_start": []}
     counts, lengths = Counter(), []
     for row in rows:
         counts["read"] += 1
@@ -70,7 +71,7 @@ def tokenize_batch(rows: list[dict]) -> tuple[dict, Counter, list[int]]:
             continue
         if conv.tokenizer.literal_specials and any(sp in text for sp in conv.tokenizer.literal_specials):
             counts["mask_text_escaped"] += 1
-        if mask_id is not None and mask_id in ids:
+        if mask_id is not None and (ids == mask_id).any():
             counts["dropped.mask_token_in_text"] += 1
             continue
         if len(ids) > max_len:
@@ -80,13 +81,9 @@ def tokenize_batch(rows: list[dict]) -> tuple[dict, Counter, list[int]]:
                 continue
             counts["truncated"] += 1
             ids = ids[:max_len]
-        mask = np.zeros(len(ids), dtype=np.int8)
-        mask[start:] = 1
         out["prompt_id"].append(row["prompt_id"])
         out["input_ids"].append(ids)
-        out["loss_mask"].append(mask)
-        out["num_tokens"].append(len(ids))
-        out["num_loss_tokens"].append(len(ids) - start)
+        out["mask_start"].append(start)
         lengths.append(len(ids))
         counts["kept"] += 1
         counts["tokens"] += len(ids)
@@ -94,23 +91,48 @@ def tokenize_batch(rows: list[dict]) -> tuple[dict, Counter, list[int]]:
     return out, counts, lengths
 
 
+def tokens_table(out: dict) -> pa.Table:
+    """Flat numpy buffers, not Python lists of lists: the conversion would cost as much as the tokenizing."""
+    lengths = np.fromiter((len(ids) for ids in out["input_ids"]), dtype=np.int32, count=len(out["input_ids"]))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.concatenate(out["input_ids"]) if len(lengths) else np.zeros(0, dtype=np.int32)
+    mask = np.ones(len(ids), dtype=np.int8)
+    starts = np.asarray(out["mask_start"], dtype=np.int64)
+    for begin, start in zip(offsets[:-1], starts):
+        mask[begin: begin + start] = 0
+    pa_offsets = pa.array(offsets)
+    return pa.table([pa.array(out["prompt_id"], pa.string()), pa.ListArray.from_arrays(pa_offsets, pa.array(ids)),
+                     pa.ListArray.from_arrays(pa_offsets, pa.array(mask)), pa.array(lengths),
+                     pa.array((lengths - starts).astype(np.int32))], schema=TOKENS)
+
+
+def tokenize_task(task: tuple[int, pa.RecordBatch, str]) -> tuple[Counter, list[int]]:
+    """One input batch -> one output shard, written by the worker itself (results never travel back as lists)."""
+    index, batch, out_dir = task
+    out, counts, lengths = tokenize_batch(batch.to_pylist())
+    if out["prompt_id"]:
+        write_table_atomic(tokens_table(out), Path(out_dir) / f"tokens-{index:05d}.parquet")
+    return counts, lengths
+
+
 def _check_consistency(paths: list[Path], cfg) -> None:
     """Refuse completions made with another thinking mode or target than this run is configured for."""
-    for batch in iter_batches(paths, columns=None, batch_size=65536):
-        names = batch.schema.names
+    for path in paths:
+        names = set(pq.read_schema(path).names)
         for column, expected, what in (("thinking", bool(cfg.generation.thinking), "generation.thinking"),
                                        ("target", cfg.target.name, "target")):
             if column not in names:
                 continue
-            seen = set(batch.column(column).to_pylist()) - {None}
+            seen = set(pc.unique(pq.read_table(path, columns=[column]).column(column)).to_pylist()) - {None}
             if seen - {expected}:
                 raise StageError(f"completions in {cfg.tokenize.input} were generated with {column}={sorted(seen)}, "
                                  f"but this run has {what}={expected}; tokenize them with the same setting")
 
 
-def _rows(paths: list[Path]):
-    for batch in iter_batches(paths, batch_size=BATCH_ROWS):
-        yield batch.to_pylist()
+def _tasks(paths: list[Path], rows_per_shard: int, out_dir: Path):
+    for index, batch in enumerate(iter_batches(paths, batch_size=rows_per_shard)):
+        yield index, batch, str(out_dir)
 
 
 def _windowed(map_fn, batches, window: int):
@@ -119,10 +141,10 @@ def _windowed(map_fn, batches, window: int):
     for batch in batches:
         chunk.append(batch)
         if len(chunk) >= window:
-            yield from map_fn(tokenize_batch, chunk)
+            yield from map_fn(tokenize_task, chunk)
             chunk = []
     if chunk:
-        yield from map_fn(tokenize_batch, chunk)
+        yield from map_fn(tokenize_task, chunk)
 
 
 def _histogram_png(lengths: np.ndarray, path: Path) -> None:
@@ -168,20 +190,12 @@ def main(cfg) -> int:
         "on_length_finish": tcfg.on_length_finish,
     }
     counts, lengths = Counter(read=0, kept=0), []
-    pending, pending_rows, shard = [], 0, 0
-    shard_rows = int(tcfg.get("shard_rows") or 10000)
+    rows_per_shard = int(tcfg.get("shard_rows") or 2000)
 
     def take(result):
-        nonlocal pending_rows, shard, pending
-        out, c, lens = result
+        c, lens = result
         counts.update(c)
         lengths.extend(lens)
-        if out["prompt_id"]:
-            pending.append(pa.table(out, schema=TOKENS))
-            pending_rows += len(out["prompt_id"])
-        if pending_rows >= shard_rows:
-            write_table_atomic(pa.concat_tables(pending), out_dir / f"tokens-{shard:05d}.parquet")
-            pending, pending_rows, shard = [], 0, shard + 1
 
     server_kind = cfg.target.tokenizer == "server"
     with local_server(cfg.server) if server_kind else nullcontext(None) as base_url:
@@ -190,16 +204,15 @@ def main(cfg) -> int:
         # Built here first: a missing file fails once, clearly, before any worker starts (a pool would respawn).
         _init_worker(settings)
         tokenizer = _worker["conv"].tokenizer
+        preload()
         if server_kind or workers == 1:
             with ThreadPoolExecutor(max_workers=workers * 2 if server_kind else 1) as pool:
-                for result in _windowed(pool.map, _rows(in_paths), workers * 4):
+                for result in _windowed(pool.map, _tasks(in_paths, rows_per_shard, out_dir), workers * 2):
                     take(result)
         else:
             with get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(settings,)) as pool:
-                for result in _windowed(pool.imap, _rows(in_paths), workers * 4):
+                for result in _windowed(pool.imap, _tasks(in_paths, rows_per_shard, out_dir), workers * 2):
                     take(result)
-        if pending:
-            write_table_atomic(pa.concat_tables(pending), out_dir / f"tokens-{shard:05d}.parquet")
         conv = _worker["conv"]
         meta = {
             "target": cfg.target.name,

@@ -1,0 +1,143 @@
+"""Benchmark of the generate stage's client overhead against a bare AsyncOpenAI loop, and of resuming.
+
+Against the same instant local test server (tests/fake_openai_server.py, streaming, thinking on), each side in its
+own process at the same concurrency: requests/s of the stage and of a bare `AsyncOpenAI` streaming loop, their ratio
+(goal >= 0.9), and the stage's CPU seconds per 1,000 completions. Then the time the stage takes to resume over 1M
+finished rows (nothing left to send; goal < 10 s).
+
+    .venv/bin/python bench/generate.py [--requests 6000] [--concurrency 64 256] [--resume-rows 1000000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# run as a script, bench/ would be first on sys.path and bench/tokenize.py would shadow the stdlib module
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench._common import REPO, run_measured  # noqa: E402
+
+BARE_LOOP = r"""
+import asyncio, sys, time, httpx2, openai
+url, n, conc = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+async def main():
+    client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=2, http_client=openai.DefaultAsyncHttpxClient(
+        limits=httpx2.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)))
+    queue = asyncio.Queue()
+    for i in range(n):
+        queue.put_nowait([{"role": "user", "content": f"bench prompt {i}"}])
+    done = 0
+    async def worker():
+        nonlocal done
+        while not queue.empty():
+            messages = queue.get_nowait()
+            stream = await client.chat.completions.create(model="fake-model", messages=messages, max_tokens=64,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"chat_template_kwargs": {"thinking": True}})
+            parts = []
+            async for chunk in stream:
+                for c in chunk.choices:
+                    parts.append(getattr(c.delta, "reasoning_content", None) or c.delta.content or "")
+            done += 1
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    print(done / (time.perf_counter() - t0))
+asyncio.run(main())
+"""
+
+
+def start_server(config: dict) -> tuple[subprocess.Popen, str]:
+    taskset = ["taskset", "-c", "1"] if shutil.which("taskset") else []
+    proc = subprocess.Popen([*taskset, sys.executable, "-m", "tests.fake_openai_server", "--config",
+                             json.dumps(config)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline().split()[1])
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def client_cmd(args: list[str]) -> list[str]:
+    return (["taskset", "-c", "0"] if shutil.which("taskset") else []) + args
+
+
+def write_prompts(directory: Path, n: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from drafter_data.parquet_io import PROMPTS
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for k in range(0, n, 200_000):
+        rows = [{"prompt_id": f"{i:032x}", "source": "bench", "tools": None,
+                 "messages": [{"role": "user", "content": f"bench prompt {i}"}]} for i in range(k, min(n, k + 200_000))]
+        pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS), directory / f"prompts-{k // 200_000:05d}.parquet")
+
+
+def stage_args(url: str, inp: Path, out: Path, conc: int) -> list[str]:
+    return [sys.executable, "-m", "stages.generate", "server=remote", f"server.base_url={url}",
+            "server.model=fake-model", "target=kimi-k2.6", f"generate.input={inp}", f"generate.output={out}",
+            f"generation.concurrency={conc}", "generation.max_tokens=64"]
+
+
+def fake_finished(inp: Path, out: Path, url: str, conc: int) -> None:
+    """Completion shards for every prompt, keyed exactly as the stage keys them (20k-row shards, as compacted)."""
+    import orjson
+    import pyarrow as pa
+
+    from drafter_data.config import compose
+    from drafter_data.completion_store import CompletionStore
+    from drafter_data.parquet_io import COMPLETIONS, iter_batches, shard_paths
+    from stages.generate import identity_of, iter_prompts
+
+    cfg = compose(stage_args(url, inp, out, conc)[3:], root=REPO)
+    identity = orjson.dumps(identity_of(cfg), option=orjson.OPT_SORT_KEYS)
+    store = CompletionStore(out)
+    batch = []
+    for row in iter_prompts(shard_paths(inp), identity):
+        batch.append({**row, "reasoning": "r", "content": "c", "finish_reason": "stop", "prompt_tokens": 3,
+                      "completion_tokens": 12, "model": "fake-model", "thinking": True, "target": "kimi-k2.6"})
+        if len(batch) == 20000:
+            store.write(batch)
+            batch = []
+    store.write(batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=6000)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--resume-rows", type=int, default=1_000_000)
+    args = parser.parse_args()
+    server, url = start_server({"reasoning_words": 6, "content_words": 6})
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
+            tmp = Path(tmp)
+            env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
+            write_prompts(tmp / "in", args.requests)
+            for conc in args.concurrency:
+                bare = run_measured(client_cmd([sys.executable, "-c", BARE_LOOP, url, str(args.requests), str(conc)]))
+                bare_rps = float(bare["stdout"].split()[-1])
+                out = tmp / f"out-{conc}"
+                stage = run_measured(client_cmd(stage_args(url, tmp / "in", out, conc)), env=env)
+                summary = json.loads((out / "run.json").read_text())
+                stage_rps = summary["requests_per_s"]
+                print(f"concurrency {conc}: bare AsyncOpenAI {bare_rps:.0f} req/s, stage {stage_rps:.0f} req/s "
+                      f"(request phase; {args.requests / stage['wall_s']:.0f} req/s over the whole process incl. "
+                      f"start-up) -> ratio {stage_rps / bare_rps:.2f}; stage CPU "
+                      f"{stage['cpu_s'] / args.requests * 1000:.1f} s per 1,000 completions "
+                      f"(bare loop {bare['cpu_s'] / args.requests * 1000:.1f} s)", flush=True)
+            n = args.resume_rows
+            write_prompts(tmp / "big", n)
+            fake_finished(tmp / "big", tmp / "big-out", url, 64)
+            resume = run_measured(client_cmd(stage_args(url, tmp / "big", tmp / "big-out", 64)), env=env)
+            assert f"{n} already done, 0 to generate" in resume["stderr"], resume["stderr"][-2000:]
+            print(f"resume over {n:,} finished rows: {resume['wall_s']:.1f} s for the whole stage process "
+                  f"(peak RSS {resume['peak_rss_mb']:.0f} MB)")
+    finally:
+        server.kill()
+
+
+if __name__ == "__main__":
+    main()
