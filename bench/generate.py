@@ -84,18 +84,17 @@ def stage_args(url: str, inp: Path, out: Path, conc: int) -> list[str]:
 def fake_finished(inp: Path, out: Path, url: str, conc: int) -> None:
     """Completion shards for every prompt, keyed exactly as the stage keys them (20k-row shards, as compacted)."""
     import orjson
-    import pyarrow as pa
 
     from drafter_data.config import compose
     from drafter_data.completion_store import CompletionStore
-    from drafter_data.parquet_io import COMPLETIONS, iter_batches, shard_paths
-    from stages.generate import identity_of, iter_prompts
+    from drafter_data.parquet_io import shard_paths
+    from stages.generate import identity_of, iter_todo
 
     cfg = compose(stage_args(url, inp, out, conc)[3:], root=REPO)
     identity = orjson.dumps(identity_of(cfg), option=orjson.OPT_SORT_KEYS)
     store = CompletionStore(out)
     batch = []
-    for row in iter_prompts(shard_paths(inp), identity):
+    for row in iter_todo(shard_paths(inp), identity, set()):
         batch.append({**row, "reasoning": "r", "content": "c", "finish_reason": "stop", "prompt_tokens": 3,
                       "completion_tokens": 12, "model": "fake-model", "thinking": True, "target": "kimi-k2.6"})
         if len(batch) == 20000:

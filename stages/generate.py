@@ -28,11 +28,14 @@ from drafter_data.local_server import local_server
 from drafter_data.parquet_io import iter_batches, shard_paths
 from drafter_data.tracking import stage_run
 
-FLUSH_INTERVAL_S = 5.0
+FLUSH_INTERVAL_S = 2.0  # a kill loses at most this much of finished work, plus what is in flight
+COMPACT_INTERVAL_S = 600.0  # merge the small shards of a days-long run as it goes
 
 
-def request_key(messages: list, tools: str | None, identity: bytes) -> str:
-    return hashlib.blake2b(orjson.dumps([messages, tools]) + identity, digest_size=16).hexdigest()
+def request_key(prompt_id: str, identity: bytes) -> str:
+    """A completion's identity: the prompt (prompt_id is the content hash of its messages and tools) and everything
+    else that determines the answer."""
+    return hashlib.blake2b(prompt_id.encode() + b"\0" + identity, digest_size=16).hexdigest()
 
 
 def identity_of(cfg) -> dict:
@@ -41,11 +44,23 @@ def identity_of(cfg) -> dict:
     return {"target": cfg.target.name, **{k: v for k, v in params.items()}}
 
 
-def iter_prompts(paths: list[Path], identity: bytes):
+def current_keys(paths: list[Path], identity: bytes) -> set[str]:
+    """The request keys of every input prompt; reads the prompt_id column only (fast over millions)."""
+    keys = set()
+    for batch in iter_batches(paths, columns=["prompt_id"], batch_size=65536):
+        keys.update(request_key(pid, identity) for pid in batch.column(0).to_pylist())
+    return keys
+
+
+def iter_todo(paths: list[Path], identity: bytes, done: set[str]):
+    """The input prompts without a completion yet, in input order; Python rows are built only for those."""
     for batch in iter_batches(paths, columns=["prompt_id", "source", "messages", "tools"], batch_size=4096):
-        for row in batch.to_pylist():
-            row["request_key"] = request_key(row["messages"], row.get("tools"), identity)
-            yield row
+        keys = [request_key(pid, identity) for pid in batch.column(0).to_pylist()]
+        todo = [i for i, k in enumerate(keys) if k not in done]
+        if todo:
+            for i, row in zip(todo, batch.take(todo).to_pylist()):
+                row["request_key"] = keys[i]
+                yield row
 
 
 def assessed_tokens_per_s(cfg) -> float | None:
@@ -117,6 +132,7 @@ class Generator:
         self.grace_s = float(g.grace_period_s)
         self.row_extra = {"model": cfg.server.model, "thinking": self.thinking, "target": cfg.target.name}
         self.pending: list[dict] = []
+        self.written_keys: set[str] = set()
         self.c = Counters()
         self.stopping = asyncio.Event()
         self.assessed_tok_s = assessed_tokens_per_s(cfg)
@@ -173,6 +189,7 @@ class Generator:
     def flush(self) -> None:
         rows, self.pending = self.pending, []
         self.store.write(rows)
+        self.written_keys.update(r["request_key"] for r in rows)
 
     async def worker(self, queue: asyncio.Queue) -> None:
         while not self.stopping.is_set():
@@ -223,7 +240,8 @@ class Generator:
     async def tick(self, total: int) -> None:
         bar = tqdm(total=total, unit="req", desc="generate", file=sys.stderr, dynamic_ncols=True,
                    mininterval=1.0, disable=None)
-        t0, last_flush, shown = time.monotonic(), time.monotonic(), 0
+        t0, shown = time.monotonic(), 0
+        last_flush = last_compact = t0
         try:
             while True:
                 await asyncio.sleep(1.0)
@@ -238,6 +256,9 @@ class Generator:
                 if now - last_flush >= FLUSH_INTERVAL_S and self.pending:
                     self.flush()
                     last_flush = now
+                if now - last_compact >= COMPACT_INTERVAL_S:
+                    self.store.compact()
+                    last_compact = now
                 self.run.metrics({**self.metrics(now - t0), "eta_hours": eta_h, "assessed_eta_hours": projected_h},
                                  step=int(now - t0), flush_every_s=15.0)
         finally:
@@ -271,7 +292,7 @@ async def _generate(cfg, urls: list[str], run) -> int:
     if not in_paths:
         raise StageError(f"no prompt shards (*.parquet) in {Path(g.input).resolve()}; run prepare first")
     identity = orjson.dumps(identity_of(cfg), option=orjson.OPT_SORT_KEYS)
-    current = {row["request_key"] for row in iter_prompts(in_paths, identity)}
+    current = current_keys(in_paths, identity)
     store = CompletionStore(Path(g.output))
     done = store.scan(current)
     if store.stale_rows:
@@ -288,13 +309,13 @@ async def _generate(cfg, urls: list[str], run) -> int:
     errors = ErrorLog(Path(g.output) / "errors.jsonl")
     gen = Generator(cfg, ServerPool(states, float(g.server_down_timeout_s)), store, errors, run)
     t0 = time.monotonic()
-    todo = (row for row in iter_prompts(in_paths, identity) if row["request_key"] not in done)
+    todo = iter_todo(in_paths, identity, done)
     try:
         await gen.run_all(todo, todo_n)
     finally:
         elapsed = time.monotonic() - t0
-        store.compact()
-        all_done = store.scan(current)
+        store.compact()  # keeps every row: what is done is what was done plus this run's completions
+        all_done = done | gen.written_keys
         n_errors = errors.close(all_done)
         for s in states:
             await s.client.close()

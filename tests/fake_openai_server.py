@@ -152,6 +152,16 @@ class FakeServer:
         chunk = {**base, "object": "chat.completion.chunk"}
         await send({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": None},
                                           "finish_reason": None}]})
+        if not self.cfg["token_delay_s"] and fault != "truncate":  # instant: the whole stream in one write
+            now = time.time()
+            self.token_times.extend([now] * len(pieces))
+            events = [{**chunk, "choices": [{"index": 0, "delta": {f: t}, "finish_reason": None}]} for f, t in pieces]
+            events.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+            if (body.get("stream_options") or {}).get("include_usage"):
+                events.append({**chunk, "choices": [], "usage": usage})
+            await resp.write("".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n")
+            self.completed[key] = self.completed.get(key, 0) + 1
+            return resp
         cut = len(pieces) // 2 if fault == "truncate" else None
         for i, (fld, text) in enumerate(pieces):
             if cut is not None and i == cut:
