@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import orjson
@@ -26,7 +27,8 @@ class CompletionStore:
     def __init__(self, out_dir: Path, compact_rows: int = 20000):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.run_tag = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+        # unique per store: a new shard never takes the name of an existing one (which scan may be moving)
+        self.run_tag = time.strftime("%Y%m%dT%H%M%S") + f"-{uuid.uuid4().hex[:8]}"
         self.compact_rows = compact_rows
         self._seq = 0
         self.stale_rows = 0
