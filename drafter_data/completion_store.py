@@ -15,7 +15,6 @@ from pathlib import Path
 
 import orjson
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from drafter_data.parquet_io import COMPLETIONS, shard_paths, write_table_atomic
@@ -129,7 +128,3 @@ class ErrorLog:
         os.replace(tmp, self.path)
         return len(latest)
 
-
-def unique_prompt_ids(out_dir: Path) -> pa.ChunkedArray:
-    ids = [pq.read_table(p, columns=["prompt_id"]).column("prompt_id") for p in shard_paths(out_dir, SHARD_PREFIX)]
-    return pc.unique(pa.chunked_array([c for a in ids for c in a.chunks], type=pa.string()))

@@ -64,13 +64,14 @@ class Completion:
     ttft_s: float | None = None
     latency_s: float = 0.0
     chunks: int = 0
+    token_times: list[float] | None = None  # arrival of each chunk with output (assess's steady-window rates)
 
 
 class TruncatedStream(Exception):
     """The stream ended without a finish_reason (a dropped connection or a server fault)."""
 
 
-def split_inline_reasoning(content: str, thinking: bool) -> tuple[str | None, str]:
+def split_inline_reasoning(content: str) -> tuple[str | None, str]:
     """Reasoning returned inside the content: '<think>r</think>a', or 'r</think>a' when the prompt opened <think>."""
     if THINK_CLOSE in content:
         reasoning, _, answer = content.partition(THINK_CLOSE)
@@ -80,29 +81,31 @@ def split_inline_reasoning(content: str, thinking: bool) -> tuple[str | None, st
     return None, content
 
 
-def _extra(obj, name: str):
+def extra_field(obj, name: str):
     value = getattr(obj, name, None)
     if value is None and getattr(obj, "model_extra", None):
         value = obj.model_extra.get(name)
     return value
 
 
-def _finish(reasoning_parts, content_parts, finish_reason, usage, thinking, t0, ttft, chunks) -> Completion:
+def _finish(reasoning_parts, content_parts, finish_reason, usage, thinking, t0, ttft, chunks,
+            token_times=None) -> Completion:
     reasoning = "".join(reasoning_parts) if reasoning_parts else None
     content = "".join(content_parts)
     if reasoning is None and thinking:
-        reasoning, content = split_inline_reasoning(content, thinking)
+        reasoning, content = split_inline_reasoning(content)
     length_in = None
     if finish_reason == "length":
         length_in = "content" if content else ("reasoning" if reasoning else "content")
     return Completion(reasoning=reasoning, content=content, finish_reason=finish_reason,
                       prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
                       completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
-                      length_stop_in=length_in, ttft_s=ttft, latency_s=time.monotonic() - t0, chunks=chunks)
+                      length_stop_in=length_in, ttft_s=ttft, latency_s=time.monotonic() - t0, chunks=chunks,
+                      token_times=token_times)
 
 
 async def complete(client: AsyncOpenAI, messages: list[dict], params: dict, thinking: bool, stream: bool,
-                   tools=None) -> Completion:
+                   tools=None, record_times: bool = False) -> Completion:
     """One chat completion; reasoning from `reasoning_content`, `reasoning` or inline <think> tags."""
     t0 = time.monotonic()
     extra = {"tools": tools} if tools else {}
@@ -112,11 +115,12 @@ async def complete(client: AsyncOpenAI, messages: list[dict], params: dict, thin
             raise TruncatedStream("the response has no choices")
         choice = resp.choices[0]
         msg = choice.message
-        reasoning = _extra(msg, "reasoning_content") or _extra(msg, "reasoning")
+        reasoning = extra_field(msg, "reasoning_content") or extra_field(msg, "reasoning")
         return _finish([reasoning] if reasoning else [], [msg.content or ""], choice.finish_reason, resp.usage,
                        thinking, t0, None, 1)
     reasoning_parts, content_parts = [], []
     finish_reason, usage, ttft, chunks = None, None, None, 0
+    times = [] if record_times else None
     stream_resp = await client.chat.completions.create(messages=messages, stream=True,
                                                        stream_options={"include_usage": True}, **params, **extra)
     async for chunk in stream_resp:
@@ -125,18 +129,21 @@ async def complete(client: AsyncOpenAI, messages: list[dict], params: dict, thin
             usage = chunk.usage
         for choice in chunk.choices:
             delta = choice.delta
-            piece = _extra(delta, "reasoning_content") or _extra(delta, "reasoning")
+            piece = extra_field(delta, "reasoning_content") or extra_field(delta, "reasoning")
             if piece:
                 reasoning_parts.append(piece)
             if delta.content:
                 content_parts.append(delta.content)
-            if (piece or delta.content) and ttft is None:
-                ttft = time.monotonic() - t0
+            if piece or delta.content:
+                if ttft is None:
+                    ttft = time.monotonic() - t0
+                if times is not None:
+                    times.append(time.monotonic())
             if choice.finish_reason:
                 finish_reason = choice.finish_reason
     if finish_reason is None:
         raise TruncatedStream("the stream ended without a finish_reason")
-    return _finish(reasoning_parts, content_parts, finish_reason, usage, thinking, t0, ttft, chunks)
+    return _finish(reasoning_parts, content_parts, finish_reason, usage, thinking, t0, ttft, chunks, times)
 
 
 # --- faults -------------------------------------------------------------------------------------------------------
@@ -198,7 +205,6 @@ def backoff_s(attempt: int, base: float = 0.5, cap: float = 30.0, retry_after: f
 @dataclass
 class Preflight:
     served_models: list[str] = field(default_factory=list)
-    reasoning_field: str | None = None
 
 
 async def preflight(client: AsyncOpenAI, base_url: str, model: str, params: dict, thinking: bool,

@@ -86,7 +86,7 @@ async def measure_level(client, params: dict, thinking: bool, prompts, concurren
             for attempt in range(1, 6):  # same fault handling as generate; retries are counted in the level's stats
                 t0 = time.monotonic()
                 try:
-                    done = await _timed_stream(client, messages, params, thinking)
+                    done = await sc.complete(client, messages, params, thinking, stream=True, record_times=True)
                     break
                 except Exception as exc:  # noqa: BLE001
                     fault = sc.classify(exc)
@@ -94,7 +94,8 @@ async def measure_level(client, params: dict, thinking: bool, prompts, concurren
                         raise StageError(f"assess: a request failed: {fault.reason}") from None
                     retries.append(fault.reason)
                     await asyncio.sleep(sc.backoff_s(attempt, retry_after=fault.retry_after_s))
-            samples.append(Sample(t0, time.monotonic(), done[0], done[1], done[2], done[3], done[4]))
+            samples.append(Sample(t0, time.monotonic(), done.ttft_s, done.completion_tokens or len(done.token_times),
+                                  done.token_times, done.reasoning, done.content))
 
     t_begin = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -104,33 +105,6 @@ async def measure_level(client, params: dict, thinking: bool, prompts, concurren
     if w1 - w0 < 0.5:  # too few requests for a steady state: use the whole run
         w0, w1 = t_begin, t_end
     return samples, (w0, w1), len(retries)
-
-
-async def _timed_stream(client, messages, params, thinking):
-    """Streams one completion, recording the arrival time of every chunk (reasoning counts as output)."""
-    t0 = time.monotonic()
-    times, reasoning, content, usage, finish = [], [], [], None, None
-    stream = await client.chat.completions.create(messages=messages, stream=True,
-                                                  stream_options={"include_usage": True}, **params)
-    async for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            piece = sc._extra(choice.delta, "reasoning_content") or sc._extra(choice.delta, "reasoning")
-            if piece:
-                reasoning.append(piece)
-            if choice.delta.content:
-                content.append(choice.delta.content)
-            if piece or choice.delta.content:
-                times.append(time.monotonic())
-            finish = choice.finish_reason or finish
-    if finish is None:
-        raise sc.TruncatedStream("the stream ended without a finish_reason")
-    tokens = int(usage.completion_tokens) if usage else len(times)
-    r, c = ("".join(reasoning) or None), "".join(content)
-    if r is None and thinking:
-        r, c = sc.split_inline_reasoning(c, thinking)
-    return (times[0] - t0 if times else None), tokens, times, r, c
 
 
 def summarize(concurrency: int, samples: list[Sample], window: tuple[float, float]) -> dict:

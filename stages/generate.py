@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from drafter_data import server_client as sc
@@ -41,7 +40,7 @@ def request_key(prompt_id: str, identity: bytes) -> str:
 def identity_of(cfg) -> dict:
     """Everything besides the prompt that determines a completion."""
     params = sc.request_params(cfg.target, cfg.generation, cfg.server.model)
-    return {"target": cfg.target.name, **{k: v for k, v in params.items()}}
+    return {"target": cfg.target.name, **params}
 
 
 def current_keys(paths: list[Path], identity: bytes) -> set[str]:

@@ -6,7 +6,6 @@ from pathlib import Path
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from omegaconf import OmegaConf
 
 from drafter_data.conversation_tokens import ConversationTokenizer
