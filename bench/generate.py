@@ -127,6 +127,13 @@ def main() -> None:
                       f"start-up) -> ratio {stage_rps / bare_rps:.2f}; stage CPU "
                       f"{stage['cpu_s'] / args.requests * 1000:.1f} s per 1,000 completions "
                       f"(bare loop {bare['cpu_s'] / args.requests * 1000:.1f} s)", flush=True)
+            conc = args.concurrency[0]
+            out = tmp / "out-nostream"
+            plain = run_measured(client_cmd(stage_args(url, tmp / "in", out, conc) + ["generate.stream=false"]), env=env)
+            summary = json.loads((out / "run.json").read_text())
+            print(f"concurrency {conc}, generate.stream=false: stage {summary['requests_per_s']:.0f} req/s, CPU "
+                  f"{plain['cpu_s'] / args.requests * 1000:.1f} s per 1,000 completions (streaming costs a parse per "
+                  f"chunk; it gives TTFT and lets a dropped stream be told from a slow one)", flush=True)
             n = args.resume_rows
             write_prompts(tmp / "big", n)
             fake_finished(tmp / "big", tmp / "big-out", url, 64)

@@ -88,7 +88,8 @@ def _check_sources(sources) -> list[dict]:
         if not path.is_file():
             raise StageError(f"prompt file of source {src['name']!r} not found: {path.resolve()}")
         names.add(src["name"])
-        checked.append({"name": src["name"], "path": path, "format": fmt, "quota": src.get("quota")})
+        fields = dict(src.get("fields") or {})
+        checked.append({"name": src["name"], "path": path, "format": fmt, "quota": src.get("quota"), "fields": fields})
     return checked
 
 
@@ -122,6 +123,8 @@ def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts, to
                 acc.reject(name, path, item.line, item.index, item.reason, item.detail, item.raw)
                 continue
             line, index, record = item
+            if src["fields"] and isinstance(record, dict):  # e.g. {prompt: query_text}: the file's own key names
+                record = {**record, **{ours: record[theirs] for ours, theirs in src["fields"].items() if theirs in record}}
             try:
                 turns = chat_formats.to_turns(record, fmt, first_only=turns_mode == "first")
                 tools = chat_formats.tools_of(record)

@@ -193,3 +193,14 @@ def test_output_is_identical_across_runs(run_stage, tmp_path):
     r1, _, _ = prepare(run_stage, tmp_path / "1", src)
     r2, _, _ = prepare(run_stage, tmp_path / "2", src)
     assert r1 == r2
+
+
+def test_field_mapping_reads_files_with_their_own_key_names(run_stage, tmp_path):
+    src = tmp_path / "custom.jsonl"
+    src.write_text('{"query_text": "first"}\n{"query_text": "second", "sys": "be kind"}\n')
+    run_stage("prepare", f"prepare.output={tmp_path / 'out'}",
+              f"prepare.sources=[{{name:c,path:'{src}',format:jsonl,fields:{{prompt:query_text,system:sys}}}}]")
+    rows = read_rows(tmp_path / "out")
+    assert [r["messages"] for r in rows] == [[{"role": "user", "content": "first"}],
+                                             [{"role": "system", "content": "be kind"},
+                                              {"role": "user", "content": "second"}]]
