@@ -64,9 +64,9 @@ def iter_todo(paths: list[Path], identity: bytes, done: set[str]):
 
 def assessed_tokens_per_s(cfg) -> float | None:
     """The best output tok/s the assess stage measured for this server, if it has run."""
-    path = Path(cfg.assess.output) / "metrics.json"
+    output = (cfg.get("assess") or {}).get("output")
     try:
-        return float(json.loads(path.read_text())["best"]["output_tokens_per_s"])
+        return float(json.loads((Path(output) / "metrics.json").read_text())["best"]["output_tokens_per_s"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
