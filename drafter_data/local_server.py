@@ -61,6 +61,7 @@ def free_port() -> int:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no obstacle
         try:
             s.bind(("127.0.0.1", port))
             return True
