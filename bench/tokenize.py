@@ -86,7 +86,7 @@ def main() -> None:
         print(f"{len(rows):,} rows, {meta['tokens']:,} tokens ({sum(map(len, texts)) / 1e6:.1f} MB rendered)")
         print(f"raw tiktoken encode_ordinary (1 thread): {raw_tps / 1e6:.2f} M tokens/s ({raw_s:.1f} s)")
         print(f"tokenize stage (2 workers, whole process): {stage_tps / 1e6:.2f} M tokens/s ({stage['wall_s']:.1f} s, "
-              f"peak RSS {stage['peak_rss_mb']:.0f} MB)")
+              f"peak RSS {stage['peak_rss_mb']:.0f} MB, CPU {stage['cpu_s']:.1f} s)")
         print(f"ratio stage / raw: {stage_tps / raw_tps:.2f}")
 
 

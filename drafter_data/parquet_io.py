@@ -40,10 +40,10 @@ TOKENS = pa.schema([
 ])
 
 
-def write_table_atomic(table: pa.Table, path: Path) -> None:
+def write_table_atomic(table: pa.Table, path: Path, **options) -> None:
     """A reader (or a resumed run) sees the whole file or none of it, whatever kills this process."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, tmp, compression="zstd", **options)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
