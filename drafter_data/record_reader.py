@@ -41,33 +41,67 @@ def _parse_error(raw: bytes, exc: Exception) -> tuple[str, str]:
     return "invalid_json", str(exc)
 
 
-def read_records(path: Path) -> Iterator[tuple[int, int, object] | BadRecord]:
-    """Yields (line, index, record) or BadRecord. Lines and indexes count from 1."""
+def is_json_list(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+    except OSError as exc:
+        raise StageError(f"cannot open prompt file {path}: {exc.strerror}") from exc
+
+
+def line_ranges(path: Path, split_bytes: int) -> list[tuple[int, int | None]]:
+    """A JSONL file cut into byte ranges of about split_bytes that start at line starts (for parallel reading)."""
+    size = path.stat().st_size
+    bounds = [0]
+    with open(path, "rb") as fh:
+        while bounds[-1] + split_bytes < size:
+            fh.seek(bounds[-1] + split_bytes)
+            fh.readline()
+            if fh.tell() >= size:
+                break
+            bounds.append(fh.tell())
+    return [(a, b) for a, b in zip(bounds, bounds[1:])] + [(bounds[-1], None)]
+
+
+def read_records(path: Path, start: int = 0, end: int | None = None,
+                 stats: dict | None = None) -> Iterator[tuple[int, int, object] | BadRecord]:
+    """Yields (line, index, record) or BadRecord. Lines and indexes count from 1 (from `start`, for a JSONL range).
+    `stats`, if given, receives the number of lines and records read."""
     try:
         fh = open(path, "rb")
     except OSError as exc:
         raise StageError(f"cannot open prompt file {path}: {exc.strerror}") from exc
     with fh:
-        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-        fh.seek(0)
-        if head.startswith(b"["):
+        if start == 0 and end is None and is_json_list(path):
             yield from _json_list_records(fh, path)
         else:
-            yield from _jsonl_records(fh)
+            fh.seek(start)
+            yield from _jsonl_records(fh, end, stats if stats is not None else {})
 
 
-def _jsonl_records(fh) -> Iterator[tuple[int, int, object] | BadRecord]:
-    index = 0
+def _jsonl_records(fh, end: int | None, stats: dict) -> Iterator[tuple[int, int, object] | BadRecord]:
+    index = line_no = 0
     loads = orjson.loads
-    for line_no, raw in enumerate(fh, 1):
+    lines = fh if end is None else _lines_until(fh, end)
+    for line_no, raw in enumerate(lines, 1):
+        stats["lines"], stats["records"] = line_no, index
         if not raw.strip():
             continue
         index += 1
+        stats["records"] = index
         try:
             yield line_no, index, loads(raw)
         except orjson.JSONDecodeError as exc:
             reason, detail = _parse_error(raw, exc)
             yield BadRecord(line_no, index, reason, detail, _raw_text(raw.rstrip(b"\r\n")))
+
+
+def _lines_until(fh, end: int):
+    while fh.tell() < end:
+        line = fh.readline()
+        if not line:
+            return
+        yield line
 
 
 def _json_list_records(fh, path: Path) -> Iterator[tuple[int, int, object] | BadRecord]:

@@ -3,26 +3,28 @@
 Two streaming passes keep memory flat: pass 1 normalizes every record into temporary shards and keeps only a
 16-byte digest and a source index per candidate; dedupe (first occurrence in source order wins) and sampling
 (bottom-k of a seeded hash, so a sample stays stable when unrelated records are added) run on those arrays;
-pass 2 copies the chosen rows into the output shards.
+pass 2 copies the chosen rows into the output shards. Pass 1 runs in `prepare.workers` processes over line ranges
+of about `prepare.split_mb` of each large JSONL file (a JSON list is read by one), merged back in source order.
 """
 from __future__ import annotations
 
 import hashlib
 import shutil
 import sys
-from array import array
 from collections import Counter
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
+from omegaconf import OmegaConf
 
 from drafter_data import chat_formats
 from drafter_data.config import StageError, run_stage
 from drafter_data.parquet_io import MESSAGE, PROMPTS, iter_batches, shard_paths, write_table_atomic
-from drafter_data.record_reader import BadRecord, read_records
+from drafter_data.record_reader import BadRecord, is_json_list, line_ranges, read_records
 from drafter_data.tracking import stage_run
 
 BATCH = 8192
@@ -56,10 +58,8 @@ class Accounts:
         if n:
             self.dropped[source][reason] += n
 
-    def reject(self, source: str, path: Path, line: int, index: int, reason: str, detail: str, raw: str | None) -> None:
-        self.drop(source, reason)
-        self._rejects.write(orjson.dumps({"source": source, "path": str(path), "line": line, "index": index,
-                                          "reason": reason, "detail": detail, "record": raw}) + b"\n")
+    def write_reject(self, entry: dict) -> None:
+        self._rejects.write(orjson.dumps(entry) + b"\n")
 
     def close(self) -> None:
         self._rejects.close()
@@ -93,43 +93,74 @@ def _check_sources(sources) -> list[dict]:
     return checked
 
 
-def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts, token_counter=None):
-    """Pass 1. Returns (digests as S16 array, source index per candidate) for the rows in tmp_dir, in order."""
-    turns_mode = cfg.get("turns", "first")
-    max_chars = cfg.get("max_prompt_chars")
-    max_tokens = cfg.get("max_prompt_tokens")
+def plan_units(sources: list[dict], split_bytes: int) -> list[dict]:
+    """Pass 1's units of work, in source order: a JSON list is one unit, a large JSONL file several line ranges."""
+    units = []
+    for src_index, src in enumerate(sources):
+        ranges = [(0, None)] if is_json_list(src["path"]) else line_ranges(src["path"], split_bytes)
+        for start, end in ranges:
+            units.append({"unit": len(units), "source_index": src_index, **src, "path": str(src["path"]),
+                          "start": start, "end": end})
+    return units
+
+
+_token_counter = {}
+
+
+def normalize_unit(unit: dict, pcfg: dict, tmp_dir: str, cfg_for_tokens: dict | None) -> dict:
+    """Pass 1 over one unit: normalized candidates into tmp_dir shards (named to sort in unit order), rejects into a
+    part file with lines and indexes relative to the unit's start; returns the digests and the unit's counts."""
+    turns_mode = pcfg.get("turns", "first")
+    max_chars = pcfg.get("max_prompt_chars")
+    max_tokens = pcfg.get("max_prompt_tokens")
+    if max_tokens and "counter" not in _token_counter:
+        from omegaconf import OmegaConf
+
+        from drafter_data.prompt_length import prompt_token_counter
+
+        _token_counter["counter"] = prompt_token_counter(OmegaConf.create(cfg_for_tokens))
+    token_counter = _token_counter.get("counter")
+    name, path, fmt, fields, n = unit["name"], Path(unit["path"]), unit["format"], unit["fields"], unit["unit"]
+    tmp = Path(tmp_dir)
     digests = bytearray()
-    source_of = array("H")
-    ids, srcs, tools_col, offsets, roles, contents = [], [], [], [0], [], []
+    dropped: Counter = Counter()
+    read = 0
+    ids, tools_col, offsets, roles, contents = [], [], [0], [], []
     shard = 0
+    rejects = open(tmp / f"rejects-{n:05d}.jsonl", "wb")
+
+    def reject(line, index, reason, detail, raw):
+        dropped[reason] += 1
+        rejects.write(orjson.dumps({"source": name, "path": str(path), "line": line, "index": index,
+                                    "reason": reason, "detail": detail, "record": raw}) + b"\n")
 
     def flush():
-        nonlocal shard, ids, srcs, tools_col, offsets, roles, contents
+        nonlocal shard, ids, tools_col, offsets, roles, contents
         if ids:
             # built from flat columns: much faster than converting a list of lists of dicts
             messages = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.StructArray.from_arrays(
                 [pa.array(roles, pa.string()), pa.array(contents, pa.string())], fields=list(MESSAGE)))
-            table = pa.table([pa.array(ids, pa.string()), pa.array(srcs, pa.string()), messages,
+            table = pa.table([pa.array(ids, pa.string()), pa.array([name] * len(ids), pa.string()), messages,
                               pa.array(tools_col, pa.string())], schema=PROMPTS)
-            pq.write_table(table, tmp_dir / f"pass1-{shard:05d}.parquet", compression="zstd")
+            pq.write_table(table, tmp / f"pass1-{n:05d}-{shard:05d}.parquet", compression="zstd")
             shard += 1
-            ids, srcs, tools_col, offsets, roles, contents = [], [], [], [0], [], []
+            ids, tools_col, offsets, roles, contents = [], [], [0], [], []
 
-    for src_index, src in enumerate(sources):
-        name, path, fmt = src["name"], src["path"], src["format"]
-        for item in read_records(path):
-            acc.read[name] += 1
+    reader_stats: dict = {}
+    with rejects:
+        for item in read_records(path, unit["start"], unit["end"], reader_stats):
+            read += 1
             if isinstance(item, BadRecord):
-                acc.reject(name, path, item.line, item.index, item.reason, item.detail, item.raw)
+                reject(item.line, item.index, item.reason, item.detail, item.raw)
                 continue
             line, index, record = item
-            if src["fields"] and isinstance(record, dict):  # e.g. {prompt: query_text}: the file's own key names
-                record = {**record, **{ours: record[theirs] for ours, theirs in src["fields"].items() if theirs in record}}
+            if fields and isinstance(record, dict):  # e.g. {prompt: query_text}: the file's own key names
+                record = {**record, **{ours: record[theirs] for ours, theirs in fields.items() if theirs in record}}
             try:
                 turns = chat_formats.to_turns(record, fmt, first_only=turns_mode == "first")
                 tools = chat_formats.tools_of(record)
             except chat_formats.Malformed as exc:
-                acc.reject(name, path, line, index, exc.args[0], exc.args[1], _raw(record))
+                reject(line, index, exc.args[0], exc.args[1], _raw(record))
                 continue
             reason = None
             messages = chat_formats.to_prompt(turns, turns_mode)
@@ -145,17 +176,15 @@ def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts, to
                 try:
                     digest = prompt_digest(messages, tools)
                 except orjson.JSONEncodeError:
-                    acc.reject(name, path, line, index, "invalid_unicode", "lone surrogate in a text field", None)
+                    reject(line, index, "invalid_unicode", "lone surrogate in a text field", None)
                     continue
-                if max_tokens and token_counter is not None and token_counter(messages) > max_tokens:
+                if max_tokens and token_counter(messages) > max_tokens:
                     reason = "too_many_tokens"
             if reason is not None:
-                acc.reject(name, path, line, index, reason, "", _raw(record))
+                reject(line, index, reason, "", _raw(record))
                 continue
             digests += digest
-            source_of.append(src_index)
             ids.append(digest.hex())
-            srcs.append(name)
             tools_col.append(tools)
             for m in messages:
                 roles.append(m["role"])
@@ -163,8 +192,44 @@ def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts, to
             offsets.append(len(roles))
             if len(ids) >= BATCH:
                 flush()
-    flush()
-    return np.frombuffer(bytes(digests), dtype="S16"), np.frombuffer(source_of.tobytes(), dtype=np.uint16)
+        flush()
+    return {"unit": n, "digests": bytes(digests), "read": read, "dropped": dropped,
+            "lines": reader_stats.get("lines", 0), "records": reader_stats.get("records", 0)}
+
+
+def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts):
+    """Pass 1 over every source, in `prepare.workers` processes when there is more than one unit of work.
+    Returns (digests as S16 array, source index per candidate) for the rows in tmp_dir, in source order."""
+    pcfg = cfg.prepare
+    units = plan_units(sources, max(1, int(float(pcfg.get("split_mb") or 64) * 2**20)))
+    plain = OmegaConf.to_container(pcfg, resolve=True)
+    cfg_for_tokens = OmegaConf.to_container(cfg, resolve=True) if pcfg.get("max_prompt_tokens") else None
+    args = [(u, plain, str(tmp_dir), cfg_for_tokens) for u in units]
+    workers = min(int(pcfg.get("workers") or 1), len(units))
+    if workers > 1:
+        with get_context("spawn").Pool(workers) as pool:
+            results = pool.starmap(normalize_unit, args, chunksize=1)
+    else:
+        results = [normalize_unit(*a) for a in args]
+    digests, source_of = [], []
+    line_offset, index_offset = Counter(), Counter()
+    for unit, result in zip(units, results):
+        name = unit["name"]
+        acc.read[name] += result["read"]
+        for reason, count in result["dropped"].items():
+            acc.drop(name, reason, count)
+        part = tmp_dir / f"rejects-{unit['unit']:05d}.jsonl"
+        for line in part.read_bytes().splitlines():  # lines and indexes were counted from the unit's start
+            entry = orjson.loads(line)
+            entry["line"] += line_offset[name]
+            entry["index"] += index_offset[name]
+            acc.write_reject(entry)
+        line_offset[name] += result["lines"]
+        index_offset[name] += result["records"]
+        digests.append(result["digests"])
+        source_of.append(np.full(len(result["digests"]) // 16, unit["source_index"], dtype=np.uint16))
+    return (np.frombuffer(b"".join(digests), dtype="S16"),
+            np.concatenate(source_of) if source_of else np.zeros(0, dtype=np.uint16))
 
 
 def _raw(record) -> str:
@@ -244,13 +309,8 @@ def main(cfg) -> int:
     tmp_dir.mkdir(parents=True)
     rejects = out_dir / "rejects.jsonl"
     acc = Accounts([s["name"] for s in sources], rejects)
-    token_counter = None
-    if pcfg.get("max_prompt_tokens"):
-        from drafter_data.prompt_length import prompt_token_counter
-
-        token_counter = prompt_token_counter(cfg)
     try:
-        digests, source_of = normalize_sources(sources, pcfg, tmp_dir, acc, token_counter)
+        digests, source_of = normalize_sources(sources, cfg, tmp_dir, acc)
         keep = choose(digests, source_of, sources, pcfg.get("sample"), int(pcfg.get("seed") or 0), acc)
         write_chosen(tmp_dir, keep, out_dir, int(pcfg.get("shard_rows") or 100000))
     finally:

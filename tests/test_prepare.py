@@ -204,3 +204,23 @@ def test_field_mapping_reads_files_with_their_own_key_names(run_stage, tmp_path)
     assert [r["messages"] for r in rows] == [[{"role": "user", "content": "first"}],
                                              [{"role": "system", "content": "be kind"},
                                               {"role": "user", "content": "second"}]]
+
+
+def test_parallel_ranges_give_the_same_output_lines_and_counts(run_stage, tmp_path):
+    """A JSONL file cut into many ranges read by 2 processes: same rows, same order, same reject lines as one."""
+    src = tmp_path / "many.jsonl"
+    lines = []
+    for i in range(400):
+        if i % 37 == 5:
+            lines.append('{"prompt": "broken')
+        elif i % 50 == 7:
+            lines.append("")
+        else:
+            lines.append(json.dumps({"prompt": f"question {i % 300}"}))
+    src.write_text("\n".join(lines) + "\n")
+    one, s1, r1 = prepare(run_stage, tmp_path / "one", ("m", src, "jsonl"), extra=["prepare.workers=1"])
+    many, s2, r2 = prepare(run_stage, tmp_path / "many", ("m", src, "jsonl"),
+                           extra=["prepare.workers=2", "prepare.split_mb=0.001"])
+    assert one == many and s1 == s2 and r1 == r2
+    assert [r["line"] for r in r2] == [i + 1 for i in range(400) if i % 37 == 5]
+    assert s2["m"]["dropped"]["duplicate"] > 0
