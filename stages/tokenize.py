@@ -34,7 +34,8 @@ _worker = {}
 
 def _init_worker(settings: dict) -> None:
     target = OmegaConf.create(settings["target"])
-    literal = frozenset([settings["mask_token_id"]]) if settings["escape_mask_text"] and settings["mask_token_id"] is not None else frozenset()
+    mask_id = settings["mask_token_id"]
+    literal = frozenset([mask_id]) if settings["escape_mask_text"] and mask_id is not None else frozenset()
     tokenizer = load_tokenizer(target, settings.get("base_url"), literal)
     _worker["conv"] = ConversationTokenizer(target, tokenizer, settings["thinking"], settings["template_kwargs"])
     _worker["settings"] = settings
