@@ -105,11 +105,6 @@ class StageRun:
     def artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
         self._client.log_artifact(self.run_id, str(path), artifact_path)
 
-    def tags(self, values: dict[str, str]) -> None:
-        import mlflow
-
-        mlflow.set_tags(values)
-
 
 @contextmanager
 def stage_run(stage: str, cfg: DictConfig):

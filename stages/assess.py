@@ -225,13 +225,14 @@ async def _assess(cfg, url: str) -> dict:
         await client.close()
     best = max(results, key=lambda lv: lv["output_tokens_per_s"])
     kw = {"completion_bytes_per_token": completion_bytes_per_token(all_samples)}
+    share = answer_share(all_samples)
     projection = project(best["output_tokens_per_s"], int(a.num_completions), float(a.completion_tokens), **kw)
     return {"levels": results, "best": best, "projection": projection,
             "what_if": what_if(best["output_tokens_per_s"], int(a.num_completions), float(a.completion_tokens),
-                               answer_share(all_samples), **kw),
+                               share, **kw),
             "measured": {"completion_tokens_mean": float(np.mean([s.tokens for s in all_samples])),
                          "completion_bytes_per_token": kw["completion_bytes_per_token"],
-                         "answer_share": answer_share(all_samples), "thinking": thinking}}
+                         "answer_share": share, "thinking": thinking}}
 
 
 def main(cfg) -> int:

@@ -13,6 +13,7 @@ import json
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,9 +39,8 @@ def request_key(prompt_id: str, identity: bytes) -> str:
 
 
 def identity_of(cfg) -> dict:
-    """Everything besides the prompt that determines a completion."""
-    params = sc.request_params(cfg.target, cfg.generation, cfg.server.model)
-    return {"target": cfg.target.name, **params}
+    """Everything besides the prompt that determines a completion: the target and the request's params."""
+    return {"target": cfg.target.name, **sc.request_params(cfg.target, cfg.generation, cfg.server.model)}
 
 
 def current_keys(paths: list[Path], identity: bytes) -> set[str]:
@@ -86,7 +86,7 @@ class Counters:
     errors: int = 0
     retries: int = 0
     output_tokens: int = 0
-    latencies: list = field(default_factory=list)
+    latencies: deque = field(default_factory=lambda: deque(maxlen=2000))  # the recent ones, for percentiles
 
 
 class ServerPool:
@@ -134,6 +134,7 @@ class Generator:
         self.written_keys: set[str] = set()
         self.c = Counters()
         self.stopping = asyncio.Event()
+        self.signal: int | None = None
         self.assessed_tok_s = assessed_tokens_per_s(cfg)
 
     async def one(self, item: dict) -> None:
@@ -274,7 +275,7 @@ class Generator:
         return eta, projected
 
     def metrics(self, elapsed: float) -> dict:
-        lat = np.asarray(self.c.latencies[-2000:]) if self.c.latencies else None
+        lat = np.asarray(self.c.latencies) if self.c.latencies else None
         return {
             "completions": self.c.done, "errors": self.c.errors, "retries": self.c.retries,
             "output_tokens_per_s": self.c.output_tokens / max(elapsed, 1e-9),
@@ -290,7 +291,8 @@ async def _generate(cfg, urls: list[str], run) -> int:
     in_paths = shard_paths(Path(g.input))
     if not in_paths:
         raise StageError(f"no prompt shards (*.parquet) in {Path(g.input).resolve()}; run prepare first")
-    identity = orjson.dumps(identity_of(cfg), option=orjson.OPT_SORT_KEYS)
+    ident = identity_of(cfg)
+    identity = orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)
     current = current_keys(in_paths, identity)
     store = CompletionStore(Path(g.output))
     done = store.scan(current)
@@ -303,8 +305,9 @@ async def _generate(cfg, urls: list[str], run) -> int:
     conc = int(cfg.generation.concurrency)
     states = [ServerState(u, sc.make_client(u, key, conc, float(g.request_timeout_s))) for u in urls]
     for s in states:
-        await sc.preflight(s.client, s.url, cfg.server.model, sc.request_params(cfg.target, cfg.generation,
-                           cfg.server.model), bool(cfg.generation.thinking), bool(g.get("stream", True)))
+        params = {k: v for k, v in ident.items() if k != "target"}
+        await sc.preflight(s.client, s.url, cfg.server.model, params, bool(cfg.generation.thinking),
+                           bool(g.get("stream", True)))
     errors = ErrorLog(Path(g.output) / "errors.jsonl")
     gen = Generator(cfg, ServerPool(states, float(g.server_down_timeout_s)), store, errors, run)
     t0 = time.monotonic()
@@ -328,7 +331,7 @@ async def _generate(cfg, urls: list[str], run) -> int:
               f"{gen.c.errors} failed for good, {gen.c.retries} retries, "
               f"{gen.c.output_tokens / max(elapsed, 1e-9):.1f} output tok/s", file=sys.stderr)
     if gen.stopping.is_set():
-        return 128 + int(getattr(gen, "signal", signal.SIGINT))
+        return 128 + int(gen.signal or signal.SIGINT)
     return 0
 
 

@@ -10,6 +10,7 @@ import json
 import shutil
 import sys
 import tempfile
+from array import array
 from collections import Counter
 from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
@@ -192,7 +193,7 @@ def main(cfg) -> int:
         "overlength": tcfg.overlength,
         "on_length_finish": tcfg.on_length_finish,
     }
-    counts, lengths = Counter(read=0, kept=0), []
+    counts, lengths = Counter(read=0, kept=0), array("i")  # 4 bytes per row, for the length histogram
     rows_per_shard = int(tcfg.get("shard_rows") or 2000)
 
     def take(result):
