@@ -11,4 +11,4 @@ fi
 # bytecode compiled once here: every stage is a fresh process, and some environments disable .pyc writing
 python3 -m uv sync --frozen --quiet --compile-bytecode
 bash scripts/build_llama_server.sh
-.venv/bin/python -m drafter_data.local_server --setup
+.venv/bin/python -m drafter_data.server.local --setup

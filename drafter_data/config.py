@@ -6,11 +6,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from drafter_data.errors import StageError
+
 CONFIG_NAME = "config"
-
-
-class StageError(Exception):
-    """A reason a stage cannot do its job; printed as one line on stderr, exit code 1."""
 
 
 def compose(overrides: list[str], root: Path | None = None) -> DictConfig:

@@ -104,7 +104,7 @@ def write_prompts(directory: Path, n: int, words: int = 3, start: int = 0) -> li
 
     import pyarrow as pa
 
-    from drafter_data.parquet_io import PROMPTS
+    from drafter_data.contract import PROMPTS
 
     rows = []
     for i in range(start, start + n):
@@ -124,7 +124,7 @@ def llama_server():
 
     from omegaconf import OmegaConf
 
-    from drafter_data.local_server import default_binary, default_model_path, free_port, healthy, server_command
+    from drafter_data.server.local import default_binary, default_model_path, free_port, healthy, server_command
 
     if not default_binary().exists() or not default_model_path().exists():
         pytest.fail(f"llama-server or the model is missing ({default_binary()}, {default_model_path()}): "

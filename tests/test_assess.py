@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from drafter_data.projection import project, what_if
+from drafter_data.assessment.projection import project, what_if
 from tests.conftest import write_prompts
 
 
@@ -26,7 +26,7 @@ def test_measured_throughput_matches_what_the_server_served(run_stage, fake_serv
     server = fake_server({"slots": 4, "token_delay_s": 0.025, "reasoning_words": 20, "content_words": 20})
     write_prompts(tmp_path / "prompts", 10)
     run_stage("assess", "server=remote", f"server.base_url={server.url}", "server.model=fake-model",
-              "target=kimi-k2.6", f"generate.input={tmp_path / 'prompts'}", f"assess.output={tmp_path / 'a'}",
+              "target=kimi-k2.6", f"assess.input={tmp_path / 'prompts'}", f"assess.output={tmp_path / 'a'}",
               "assess.concurrency=[1,4,8]", "assess.requests_per_level=16", "generation.max_tokens=64",
               "assess.num_completions=900000", "assess.completion_tokens=2000")
     metrics = json.loads((tmp_path / "a" / "metrics.json").read_text())

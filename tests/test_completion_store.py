@@ -1,7 +1,7 @@
 """The completion store repairs itself after a kill at any point of a write or a compaction."""
 import shutil
 
-from drafter_data.completion_store import CompletionStore
+from drafter_data.generation.store import CompletionStore
 from tests.conftest import read_rows
 
 

@@ -188,12 +188,12 @@ def test_several_servers_share_the_load_and_a_failing_one_is_set_aside(run_stage
     assert sum(good.stats()["completed"].values()) > 10 and sum(other.stats()["completed"].values()) > 10
     # preflight would refuse the failing server; check balancing past it by starting it healthy-looking: the
     # pool sets a server aside after repeated 5xx, so almost all requests land on the good one
-    from omegaconf import OmegaConf
-
     import asyncio
 
-    from drafter_data import server_client as sc
-    from stages.generate import Generator, ServerPool, ServerState
+    from drafter_data.generation.runner import Runner, RunSettings
+    from drafter_data.server.client import make_client
+    from drafter_data.server.pool import ServerPool, ServerState
+    from drafter_data.server.request import RequestSpec
 
     class Store:
         rows = []
@@ -209,13 +209,13 @@ def test_several_servers_share_the_load_and_a_failing_one_is_set_aside(run_stage
         def metrics(self, *a, **k):
             pass
 
-    cfg = OmegaConf.create({"generate": {"stream": True, "max_attempts": 5, "shard_rows": 1000, "grace_period_s": 1},
-                            "generation": {"thinking": True, "max_tokens": 64, "temperature": 0.0, "concurrency": 4},
-                            "server": {"model": "fake-model"}, "target": {"name": "t", "thinking_kwarg": "thinking"}})
+    spec = RequestSpec(model="fake-model", max_tokens=64, temperature=0.0, top_p=1.0, seed=None, thinking=True,
+                       thinking_kwarg="thinking")
+    settings = RunSettings(concurrency=4, stream=True, max_attempts=5, shard_rows=1000, grace_s=1, target="t")
 
     async def go():
-        states = [ServerState(u, sc.make_client(u, "k", 4, 30)) for u in (bad.url, good.url)]
-        gen = Generator(cfg, ServerPool(states, 30), Store(), Errors(), Run())
+        states = [ServerState(u, make_client(u, "k", 4, 30)) for u in (bad.url, good.url)]
+        gen = Runner(spec, settings, ServerPool(states, 30), Store(), Errors(), Run())
         for i in range(40):
             await gen.one({"prompt_id": str(i), "source": "s", "request_key": str(i),
                            "messages": [{"role": "user", "content": f"q{i}"}]})
@@ -248,7 +248,7 @@ def test_preflight_errors(run_stage, fake_server, tmp_path, config, needle):
 
 
 def test_nothing_listening_is_a_clear_error(run_stage, tmp_path):
-    from drafter_data.local_server import free_port
+    from drafter_data.server.local import free_port
 
     write_prompts(tmp_path / "in", 3)
     url = f"http://127.0.0.1:{free_port()}/v1"

@@ -5,8 +5,9 @@ import urllib.request
 
 from omegaconf import OmegaConf
 
-from drafter_data.conversation_tokens import ConversationTokenizer
-from drafter_data.tokenizers import ServerTokenizer
+from drafter_data.server.endpoints import api_root
+from drafter_data.tokens.conversation import ConversationTokenizer
+from drafter_data.tokens.tokenizers import ServerTokenizer
 from tests.conftest import REPO, read_rows, write_prompts
 
 
@@ -29,7 +30,7 @@ def test_generate_then_tokenize_against_llama_server(run_stage, llama_server, tm
                                      f"tokenize.output={tmp_path / 't'}"))
     tokens = {r["prompt_id"]: r for r in read_rows(tmp_path / "t")}
     assert set(tokens) == {r["prompt_id"] for r in rows}
-    think = ServerTokenizer(llama_server).encode_chat("<think>\n")
+    think = ServerTokenizer(api_root(llama_server)).encode_chat("<think>\n")
     for r in rows:
         t = tokens[r["prompt_id"]]
         start = t["loss_mask"].index(1)
@@ -44,8 +45,8 @@ def test_generate_then_tokenize_against_llama_server(run_stage, llama_server, tm
 def test_our_rendering_is_the_servers(llama_server):
     target = OmegaConf.load(REPO / "conf/target/gemma3-270m.yaml")
     target.chat_template = str(REPO / target.chat_template)
-    tok = ServerTokenizer(llama_server)
-    conv = ConversationTokenizer(target, tok, thinking=True)
+    tok = ServerTokenizer(api_root(llama_server))
+    conv = ConversationTokenizer(target, tok, {"enable_thinking": True})
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime number."}]
     ours = conv.render(messages, add_generation_prompt=True)
     theirs = tok.apply_template(messages, enable_thinking=True)
@@ -55,7 +56,7 @@ def test_our_rendering_is_the_servers(llama_server):
 def test_assess_against_llama_server(run_stage, llama_server, tmp_path):
     run_stage("assess", *real_args(llama_server, f"assess.output={tmp_path / 'a'}", "assess.concurrency=[1,4]",
                                    "assess.requests_per_level=8", "generation.max_tokens=16",
-                                   f"generate.input={tmp_path / 'none'}"))
+                                   f"assess.input={tmp_path / 'none'}"))
     metrics = json.loads((tmp_path / "a" / "metrics.json").read_text())
     one, four = metrics["levels"]
     assert one["output_tokens_per_s"] > 0 and four["output_tokens_per_s"] > 0 and four["ttft_p50_s"] is not None
@@ -68,7 +69,7 @@ def test_assess_against_llama_server(run_stage, llama_server, tmp_path):
 def test_server_local_starts_and_stops_llama_server_itself(run_stage, tmp_path):
     import subprocess
 
-    from drafter_data.local_server import free_port
+    from drafter_data.server.local import free_port
 
     write_prompts(tmp_path / "in", 3)
     url = f"http://127.0.0.1:{free_port()}/v1"

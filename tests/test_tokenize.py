@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from drafter_data.conversation_tokens import ConversationTokenizer
-from drafter_data.tokenizers import KimiTokenizer, split_long_runs
+from drafter_data.tokens.conversation import ConversationTokenizer
+from drafter_data.tokens.tokenizers import KimiTokenizer, split_long_runs
 from tests.conftest import KIMI_DIR, REPO, read_rows, require_shared
 
 
@@ -84,7 +84,8 @@ def test_prompt_renderings_match_the_goldens():
     checked = 0
     for case in goldens():
         kwargs = {k: v for k, v in case["template_kwargs"].items() if k not in ("add_generation_prompt", "thinking")}
-        conv = ConversationTokenizer(target, tok, True if case["thinking"] is None else case["thinking"], kwargs)
+        thinking = True if case["thinking"] is None else case["thinking"]
+        conv = ConversationTokenizer(target, tok, {"thinking": thinking, **kwargs})
         if case["add_generation_prompt"]:
             assert conv.render(case["messages"], add_generation_prompt=True) == case["rendered"]
             assert conv.prompt_ids(case["messages"]) == case["input_ids"]

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from drafter_data.local_server import free_port
+from drafter_data.server.local import free_port
 from tests.conftest import REPO, write_prompts
 
 

@@ -24,6 +24,12 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
+def chat_template_kwargs(thinking_kwarg: str, thinking: bool, template_kwargs: dict | None = None) -> dict:
+    """The kwargs a chat template is rendered with, by the server for a request and by us for the same request:
+    the target's thinking switch (`thinking` for Kimi, `enable_thinking` for Qwen/Gemma) and its other kwargs."""
+    return {thinking_kwarg: bool(thinking), **dict(template_kwargs or {})}
+
+
 @lru_cache(maxsize=8)
 def compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -35,7 +41,6 @@ def compile_template(source: str) -> jinja2.Template:
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
-        self.source = source
         self.sha256 = hashlib.sha256(source.encode()).hexdigest()
         self._template = compile_template(source)
         self._specials = dict(special_tokens or {})

@@ -17,7 +17,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from drafter_data.parquet_io import COMPLETIONS, shard_paths, write_table_atomic
+from drafter_data.contract import COMPLETIONS, shard_paths, write_table_atomic
 
 SHARD_PREFIX = "completions-"
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from drafter_data.chat_template import ChatTemplate
-from drafter_data.config import StageError
+from drafter_data.errors import StageError
+from drafter_data.tokens.chat_template import ChatTemplate
+from drafter_data.tokens.tokenizers import load_tokenizer
 
 
 def load_chat_template(target, tokenizer) -> ChatTemplate:
@@ -36,11 +37,14 @@ def final_assistant_message(content: str, reasoning: str | None, tool_calls: str
 
 
 class ConversationTokenizer:
-    def __init__(self, target, tokenizer, thinking: bool, template_kwargs: dict | None = None):
+    """chat_kwargs: the template kwargs exactly as a request sends them (RequestSpec.chat_template_kwargs): the
+    thinking switch and the target's template kwargs."""
+
+    def __init__(self, target, tokenizer, chat_kwargs: dict):
         self.tokenizer = tokenizer
         self.template = load_chat_template(target, tokenizer)
         self.header = target.assistant_header
-        self.kwargs = {target.thinking_kwarg: bool(thinking), **dict(template_kwargs or {})}
+        self.kwargs = dict(chat_kwargs)
 
     def render(self, messages: list[dict], tools=None, add_generation_prompt: bool = False) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.kwargs)
@@ -68,3 +72,13 @@ class ConversationTokenizer:
         text = self.render(messages, tools)
         ids, start = self.tokenizer.encode_chat_split(text, self.mask_start_char(text, messages[-1]))
         return text, ids, start
+
+
+def prompt_token_counter(target, chat_kwargs: dict):
+    """messages -> tokens of the rendered prompt (with the generation prompt), as the server will see it; for
+    prepare.max_prompt_tokens, which needs a local tokenizer."""
+    if target.tokenizer == "server":
+        raise StageError(f"prepare.max_prompt_tokens needs a local tokenizer, but target {target.name} "
+                         f"tokenizes on the server; set prepare.max_prompt_tokens=null for it")
+    conv = ConversationTokenizer(target, load_tokenizer(target), chat_kwargs)
+    return lambda messages: len(conv.prompt_ids(messages))

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import orjson
 
-from drafter_data.config import StageError
+from drafter_data.errors import StageError
 
 _READ_CHUNK = 1 << 20
 
@@ -26,9 +26,15 @@ class BadRecord:
     raw: str
 
 
-def _raw_text(raw: bytes, limit: int = 4096) -> str:
-    text = raw.decode("utf-8", errors="backslashreplace")
+RAW_LIMIT = 4096  # characters of a rejected record kept in the rejects file
+
+
+def clip(text: str, limit: int = RAW_LIMIT) -> str:
     return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more chars]"
+
+
+def _raw_text(raw: bytes) -> str:
+    return clip(raw.decode("utf-8", errors="backslashreplace"))
 
 
 def _parse_error(raw: bytes, exc: Exception) -> tuple[str, str]:

@@ -1,4 +1,5 @@
-"""Parquet schemas of the contract and shard files that are either complete or absent (write, fsync, rename)."""
+"""The data between stages (../shared/contracts.md): Parquet schemas, and shard files that are either complete or
+absent (write, fsync, rename)."""
 from __future__ import annotations
 
 import os
@@ -14,15 +15,20 @@ PROMPTS = pa.schema([
     ("prompt_id", pa.string()),
     ("source", pa.string()),
     ("messages", pa.list_(MESSAGE)),
-    ("tools", pa.string()),  # the record's tool declaration as JSON, null when it has none
+    ("tools", pa.string()),  # the prompt's tool declarations as an OpenAI JSON list, null when it has none
+    ("message_extras", pa.string()),  # JSON list aligned with messages: fields beyond role/content, null when none
 ])
 
 COMPLETIONS = pa.schema(list(PROMPTS) + [
+    ("turn", pa.int32()),  # which assistant turn of the conversation this row answers, 0-based
     ("reasoning", pa.string()),
     ("content", pa.string()),
     ("finish_reason", pa.string()),
     ("prompt_tokens", pa.int64()),
     ("completion_tokens", pa.int64()),
+    ("tool_calls", pa.string()),  # the answer's tool calls as the server returned them (OpenAI JSON list)
+    ("prompt_token_ids", pa.list_(pa.int32())),  # the prompt as the server tokenized it, when it said
+    ("completion_token_ids", pa.list_(pa.int32())),  # the sampled ids, when the server returned them
     ("length_stop_in", pa.string()),  # reasoning | content | null: where a finish_reason=length cut the answer
     ("request_key", pa.string()),  # hash of everything that determines the completion (resume identity)
     ("model", pa.string()),
@@ -33,6 +39,7 @@ COMPLETIONS = pa.schema(list(PROMPTS) + [
 
 TOKENS = pa.schema([
     ("prompt_id", pa.string()),
+    ("turn", pa.int32()),
     ("input_ids", pa.list_(pa.int32())),
     ("loss_mask", pa.list_(pa.int8())),
     ("num_tokens", pa.int32()),
@@ -61,7 +68,3 @@ def shard_paths(directory: Path, prefix: str = "") -> list[Path]:
 def iter_batches(paths: list[Path], columns: list[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
     for path in paths:
         yield from pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=columns)
-
-
-def count_rows(paths: list[Path]) -> int:
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)

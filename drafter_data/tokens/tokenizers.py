@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from drafter_data.config import StageError
+from drafter_data.errors import StageError
 
 KIMI_PAT_STR = "|".join([
     r"""[\p{Han}]+""",
@@ -191,10 +191,11 @@ class ServerTokenizer:
 
     kind = "server"
 
-    def __init__(self, base_url: str, literal_ids: frozenset[int] = frozenset(), timeout: float = 60.0):
+    def __init__(self, root: str, literal_ids: frozenset[int] = frozenset(), timeout: float = 60.0):
+        """root: the server's root URL (where /tokenize lives, without /v1)."""
         import httpx2
 
-        self.root = base_url.rstrip("/").removesuffix("/v1")
+        self.root = root
         self._http = httpx2.Client(timeout=timeout)
         self.literal_specials = frozenset()  # spellings of special ids in text become the ids; callers check
         props = self._get("/props")
@@ -259,18 +260,19 @@ class ServerTokenizer:
         return self._post("/detokenize", {"tokens": ids})["content"]
 
 
-def load_tokenizer(target, base_url: str | None = None, literal_ids: frozenset[int] = frozenset()):
+def load_tokenizer(target, server_root: str | None = None, literal_ids: frozenset[int] = frozenset()):
     """literal_ids: special ids whose spelling inside text is encoded as plain text, where the kind can
-    (kimi_tiktoken); elsewhere such text still becomes the id and callers must check for it."""
+    (kimi_tiktoken); elsewhere such text still becomes the id and callers must check for it.
+    server_root: the running server's root URL, for target.tokenizer=server."""
     kind = target.tokenizer
     if kind == "kimi_tiktoken":
         return KimiTokenizer(_tokenizer_dir(target), literal_ids)
     if kind == "hf_tokenizers":
         return HFTokenizer(_tokenizer_dir(target), literal_ids)
     if kind == "server":
-        if not base_url:
+        if not server_root:
             raise StageError("target.tokenizer=server needs a running server (server.base_url)")
-        return ServerTokenizer(base_url, literal_ids)
+        return ServerTokenizer(server_root, literal_ids)
     raise StageError(f"unknown target.tokenizer {kind!r}: use kimi_tiktoken, hf_tokenizers or server")
 
 

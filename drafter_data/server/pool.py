@@ -1,0 +1,50 @@
+"""Several servers behind one queue: each request goes to the healthy server with the fewest outstanding requests;
+a failing one is set aside for a growing pause; when none has answered for down_timeout_s, the run stops."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from drafter_data.errors import StageError
+
+
+@dataclass
+class ServerState:
+    url: str
+    client: object
+    outstanding: int = 0
+    failures: int = 0
+    down_until: float = 0.0
+
+
+class ServerPool:
+    def __init__(self, states: list[ServerState], down_timeout_s: float):
+        self.states = states
+        self.down_timeout_s = down_timeout_s
+        self.last_success = time.monotonic()
+
+    async def acquire(self) -> ServerState:
+        while True:
+            now = time.monotonic()
+            up = [s for s in self.states if s.down_until <= now]
+            if up:
+                return min(up, key=lambda s: s.outstanding)
+            if now - self.last_success > self.down_timeout_s:
+                raise StageError(f"no server answered for {self.down_timeout_s:.0f} s "
+                                 f"({', '.join(s.url for s in self.states)}); finished rows are saved, re-run to resume")
+            await asyncio.sleep(min(s.down_until for s in self.states) - now + 0.01)
+
+    def failed(self, s: ServerState, hard: bool) -> None:
+        s.failures += 1
+        if hard or s.failures >= 3:
+            s.down_until = time.monotonic() + min(60.0, 0.5 * 2 ** min(s.failures, 7))
+
+    def succeeded(self, s: ServerState) -> None:
+        s.failures = 0
+        s.down_until = 0.0
+        self.last_success = time.monotonic()
+
+    async def close(self) -> None:
+        for s in self.states:
+            await s.client.close()

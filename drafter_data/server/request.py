@@ -1,0 +1,73 @@
+"""Everything that is sent to the server besides the messages, built once from config.
+
+The same object gives the request body (sampling params and the chat-template kwargs: the thinking switch plus the
+target's template kwargs), the identity that keys a completion for resuming, and the kwargs tokenize renders with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import orjson
+from omegaconf import OmegaConf
+
+from drafter_data.tokens.chat_template import chat_template_kwargs
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    model: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    thinking: bool
+    thinking_kwarg: str
+    template_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg, template_kwargs=None, max_tokens: int | None = None) -> RequestSpec:
+        """From the shared groups (server.model, generation, target); template_kwargs replaces the target's."""
+        gen, target = cfg.generation, cfg.target
+        kwargs = target.get("template_kwargs") if template_kwargs is None else template_kwargs
+        return cls(model=str(cfg.server.model), max_tokens=int(max_tokens or gen.max_tokens),
+                   temperature=float(gen.temperature), top_p=float(gen.get("top_p", 1.0)),
+                   seed=None if gen.get("seed") is None else int(gen.seed), thinking=bool(gen.thinking),
+                   thinking_kwarg=str(target.thinking_kwarg),
+                   template_kwargs=_plain(kwargs))
+
+    def chat_template_kwargs(self, thinking: bool | None = None) -> dict:
+        """The template kwargs of a request: the thinking switch (this spec's mode unless given) and the rest."""
+        return chat_template_kwargs(self.thinking_kwarg, self.thinking if thinking is None else thinking,
+                                    self.template_kwargs)
+
+    def body(self, messages: list[dict], tools: list | None = None, thinking: bool | None = None) -> dict:
+        """Keyword arguments for `client.chat.completions.create` (fields outside OpenAI's API go in extra_body)."""
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p,
+                "extra_body": {"chat_template_kwargs": self.chat_template_kwargs(thinking)}}
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if tools:
+            body["tools"] = tools
+        return body
+
+    def identity(self, target_name: str) -> bytes:
+        """Everything besides the prompt that determines a completion, as canonical bytes (the request key's input).
+        Unchanged in form since the first release, so completions made then still resume."""
+        ident = {"target": target_name, "model": self.model, "max_tokens": self.max_tokens,
+                 "temperature": self.temperature, "top_p": self.top_p,
+                 "extra_body": {"chat_template_kwargs": self.chat_template_kwargs()}}
+        if self.seed is not None:
+            ident["seed"] = self.seed
+        return orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)
+
+    def with_max_tokens(self, max_tokens: int) -> RequestSpec:
+        return RequestSpec(**{**self.__dict__, "max_tokens": int(max_tokens)})
+
+
+def _plain(kwargs) -> dict:
+    if kwargs is None:
+        return {}
+    if OmegaConf.is_config(kwargs):
+        return OmegaConf.to_container(kwargs, resolve=True) or {}
+    return dict(kwargs)
