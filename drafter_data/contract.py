@@ -17,6 +17,9 @@ PROMPTS = pa.schema([
     ("messages", pa.list_(MESSAGE)),
     ("tools", pa.string()),  # the prompt's tool declarations as an OpenAI JSON list, null when it has none
     ("message_extras", pa.string()),  # JSON list aligned with messages: fields beyond role/content, null when none
+    # assistant turns generate makes: 1, or with prepare.turns=all the number of user turns in messages (each one
+    # answered in turn by the target); null reads as 1
+    ("turns", pa.int32()),
 ])
 
 COMPLETIONS = pa.schema(list(PROMPTS) + [

@@ -122,7 +122,8 @@ def normalize_record(record, unit: dict, pcfg: dict, count_tokens=None) -> tuple
         digest = prompt_digest(messages, tools)
     except orjson.JSONEncodeError:
         raise formats.Malformed("invalid_unicode", "lone surrogate in a text field") from None
-    if count_tokens is not None and count_tokens(messages) > pcfg["max_prompt_tokens"]:
+    if count_tokens is not None and count_tokens(messages, orjson.loads(tools) if tools else None) > \
+            pcfg["max_prompt_tokens"]:
         raise formats.Malformed("too_many_tokens", "")
     return messages, tools, digest
 
@@ -173,7 +174,8 @@ class UnitOutput:
             [pa.array(self.roles, pa.string()), pa.array(self.contents, pa.string())], fields=list(MESSAGE)))
         n = len(self.ids)
         table = pa.table([pa.array(self.ids, pa.string()), pa.array([self.name] * n, pa.string()), messages,
-                          pa.array(self.tools, pa.string()), pa.nulls(n, pa.string())], schema=PROMPTS)
+                          pa.array(self.tools, pa.string()), pa.nulls(n, pa.string()), pa.nulls(n, pa.int32())],
+                         schema=PROMPTS)
         pq.write_table(table, self.tmp / f"pass1-{self.n:05d}-{self.shard:05d}.parquet", compression="zstd")
         self.shard += 1
         self._reset()

@@ -75,10 +75,10 @@ class ConversationTokenizer:
 
 
 def prompt_token_counter(target, chat_kwargs: dict):
-    """messages -> tokens of the rendered prompt (with the generation prompt), as the server will see it; for
+    """(messages, tools) -> tokens of the rendered prompt (with the generation prompt), as the server will see it; for
     prepare.max_prompt_tokens, which needs a local tokenizer."""
     if target.tokenizer == "server":
         raise StageError(f"prepare.max_prompt_tokens needs a local tokenizer, but target {target.name} "
                          f"tokenizes on the server; set prepare.max_prompt_tokens=null for it")
     conv = ConversationTokenizer(target, load_tokenizer(target), chat_kwargs)
-    return lambda messages: len(conv.prompt_ids(messages))
+    return lambda messages, tools=None: len(conv.prompt_ids(messages, tools))
