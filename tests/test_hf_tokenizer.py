@@ -58,4 +58,5 @@ def test_qwen_style_target_through_the_stage(run_stage, tmp_path):
     assert tok.decode(out["input_ids"][start:], skip_special_tokens=False) == body
     assert out["input_ids"][start] == tok.token_to_id("<think>")
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert meta["template_kwargs"] == {"enable_thinking": True} and meta["tokenizer"]["kind"] == "hf_tokenizers"
+    assert meta["template_kwargs"] == {} and meta["thinking_kwarg"] == "enable_thinking" and meta["thinking"] is True
+    assert meta["tokenizer"]["kind"] == "hf_tokenizers"

@@ -67,11 +67,16 @@ def test_every_chat_golden_reproduces_through_the_stage(run_stage, tmp_path):
         rows = {r["prompt_id"]: r for r in read_rows(tmp_path / f"out{i}")}
         for case in cases:
             row = rows[case["id"]]
-            start, end = case["assistant_token_span"]
+            end = case["assistant_token_span"][1]
+            # the loss starts where generation started: after the prompt rendered with add_generation_prompt=True
+            assert case["prompt"]["is_token_prefix_of_full"], case["id"]
+            start = len(case["prompt"]["input_ids"])
             assert row["input_ids"] == case["input_ids"], case["id"]
-            assert end == len(case["input_ids"])
+            assert end == len(case["input_ids"]) and row["input_ids"][:start] == case["prompt"]["input_ids"]
             assert row["loss_mask"] == [0] * start + [1] * (end - start), case["id"]
         meta = json.loads((tmp_path / f"out{i}" / "meta.json").read_text())
+        assert meta["rows"] == {"read": len(cases), "kept": len(cases)}, meta["rows"]
+        assert meta["drift"] == {"rows_compared": 0, "rows_differ": 0, "tokens_differ": 0, "rate": 0.0}
         assert meta["thinking"] is thinking and meta["special_ids"]["mask_token_id"] == 163837
         assert meta["vocab_size"] == 163840 and meta["special_ids"]["bos"] == 163584
         assert meta["tokenizer"]["files_sha256"]["tiktoken.model"].startswith("b6c497a7469b")

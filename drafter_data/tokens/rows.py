@@ -1,118 +1,243 @@
-"""Completion rows -> token rows, in worker processes: each worker loads the tokenizer once (`init_worker`), turns
-one input batch into one output shard and writes it itself (`tokenize_task`); only counts travel back."""
+"""Completion rows -> token rows, in worker processes: each worker loads the tokenizer once (`init_worker`), reads
+its own input (one row group of a completions shard, or one partition of whole conversations), writes its own
+shards, and sends back only counts and fixed-size histograms.
+
+Every row read is counted once: `kept`, or `dropped.<reason>`. Flags beside them (`finish_length`,
+`mask_text_escaped`, `over_max_length`, `truncated`) say what was done to kept rows.
+"""
 from __future__ import annotations
 
 import sys
 from collections import Counter
+from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
-import orjson
 import pyarrow as pa
+import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
 from drafter_data.contract import TOKENS, write_table_atomic
-from drafter_data.tokens.conversation import ConversationTokenizer, final_assistant_message
-from drafter_data.tokens.tokenizers import load_tokenizer
+from drafter_data.errors import StageError
+from drafter_data.tokens.columns import COLUMNS, turns_from_batch
+from drafter_data.tokens.conversation import ConversationTokenizer
+from drafter_data.tokens.lengths import LengthHistograms
+from drafter_data.tokens.turns import Dropped, Turn, compare_prompt, context_ids, answer_ids, reasoning_tokens, \
+    turn_texts
 
-_worker = {}
+FINISH_REASONS = ("stop", "length", "tool_calls")
+MAX_WARNINGS = 3  # per worker: one bad row is worth a line, two thousand are worth a count
+_worker: dict = {}
 
 
 def init_worker(settings: dict) -> None:
-    """settings: target (plain dict), chat_kwargs, mask_token_id, escape_mask_text, max_length, overlength,
-    on_length_finish, server_root (for the server tokenizer)."""
+    """settings: target (plain dict), chat_kwargs, thinking (the default mode), rows, mask_token_id,
+    escape_mask_text, max_length, overlength, on_length_finish, shard_rows, out_dir, server_root."""
+    from drafter_data.tokens.tokenizers import load_tokenizer
+
     target = OmegaConf.create(settings["target"])
     mask_id = settings["mask_token_id"]
     literal = frozenset([mask_id]) if settings["escape_mask_text"] and mask_id is not None else frozenset()
     tokenizer = load_tokenizer(target, settings.get("server_root"), literal)
-    _worker["conv"] = ConversationTokenizer(target, tokenizer, settings["chat_kwargs"])
-    _worker["settings"] = settings
+    _worker.update(conv=ConversationTokenizer(target, tokenizer, settings["chat_kwargs"]), settings=settings,
+                   warnings=0)
 
 
 def worker_conversation() -> ConversationTokenizer:
     return _worker["conv"]
 
 
-def conversation(row: dict) -> list[dict]:
-    """The messages to render: the prompt (with per-message extras such as tool_call_id, when prepare kept them)
-    and the final assistant turn built from the row's reasoning, content and tool calls."""
-    messages = [dict(m) for m in row["messages"]]
-    extras = row.get("message_extras")
-    if extras:
-        for msg, extra in zip(messages, orjson.loads(extras)):
-            msg.update(extra or {})
-    messages.append(final_assistant_message(row["content"] or "", row.get("reasoning"), row.get("tool_calls")))
-    return messages
+@dataclass
+class TokenRow:
+    prompt_id: str
+    turn: int
+    thinking: bool
+    ids: np.ndarray
+    spans: list[tuple[int, int]]  # [start, end) of each regenerated answer: loss_mask 1
+    texts: list[str]  # what was rendered (checked for the mask token's spelling)
+    turn_lengths: list[tuple[int, int]] = field(default_factory=list)  # (reasoning, answer) tokens per turn
 
 
-def tokenize_batch(rows: list[dict]) -> tuple[dict, Counter, list[int]]:
-    """Rows -> ({prompt_id, turn, input_ids (int32 arrays), mask_start}, counts by outcome, kept row lengths).
-    Every row read is counted once as kept or under a `dropped.<reason>`; policies (length finish, over-long rows,
-    mask-token text) are applied here."""
-    conv, s = _worker["conv"], _worker["settings"]
-    mask_id, max_len = s["mask_token_id"], s["max_length"]
-    out = {"prompt_id": [], "turn": [], "input_ids": [], "mask_start": []}
-    counts, lengths = Counter(), []
-    for row in rows:
-        counts["read"] += 1
-        if row.get("finish_reason") == "length":
-            counts["finish_length"] += 1
-            if s["on_length_finish"] == "drop":
-                counts["dropped.finish_length"] += 1
-                continue
-        tools = orjson.loads(row["tools"]) if row.get("tools") else None
-        try:
-            text, ids, start = conv.tokenize(conversation(row), tools)
-        except Exception as exc:  # noqa: BLE001 - a template error on one row must not stop the run
-            counts["dropped.render_error"] += 1
-            print(f"warning: {row['prompt_id']}: cannot render: {exc}", file=sys.stderr)
-            continue
-        if conv.tokenizer.literal_specials and any(sp in text for sp in conv.tokenizer.literal_specials):
-            counts["mask_text_escaped"] += 1
-        if mask_id is not None and (ids == mask_id).any():
-            counts["dropped.mask_token_in_text"] += 1
-            continue
-        if len(ids) > max_len:
-            counts["over_max_length"] += 1
-            if s["overlength"] == "drop" or start >= max_len:
-                counts["dropped.over_max_length"] += 1
-                continue
-            counts["truncated"] += 1
-            ids = ids[:max_len]
-        out["prompt_id"].append(row["prompt_id"])
-        out["turn"].append(row.get("turn") or 0)
-        out["input_ids"].append(ids)
-        out["mask_start"].append(start)
-        lengths.append(len(ids))
-        counts["kept"] += 1
-        counts["tokens"] += len(ids)
-        counts["loss_tokens"] += len(ids) - start
-    return out, counts, lengths
+def per_turn_row(conv: ConversationTokenizer, turn: Turn, counts: Counter) -> TokenRow:
+    """The context exactly as sent for this turn + this turn's answer; loss over the answer only."""
+    prompt, answer = turn_texts(conv, turn)
+    context = context_ids(conv, turn, prompt, counts)
+    sampled = answer_ids(conv, turn, answer, counts)
+    reasoning = reasoning_tokens(conv, turn, answer, sampled)
+    return TokenRow(turn.prompt_id, turn.turn, turn.thinking, np.concatenate([context, sampled]),
+                    [(len(context), len(context) + len(sampled))], [prompt, answer],
+                    [(reasoning, len(sampled) - reasoning)])
 
 
-def tokens_table(out: dict) -> pa.Table:
+def conversation_row(conv: ConversationTokenizer, turns: list[Turn], counts: Counter) -> TokenRow:
+    """One row with every regenerated turn in the loss: the last turn's messages + its answer, with each turn's
+    answer where that turn's prompt ended. Refused (StageError) when the whole conversation does not render each turn
+    as it was sent and answered (a template that rewrites history, e.g. drops earlier reasoning)."""
+    if [t.turn for t in turns] != list(range(len(turns))):
+        raise Dropped("incomplete_conversation")
+    texts = [turn_texts(conv, t) for t in turns]
+    full = "".join(texts[-1])
+    pieces, spans, turn_lengths, done = [], [], [], 0
+    for k, (turn, (prompt, answer)) in enumerate(zip(turns, texts)):
+        if len(prompt) < done or not full.startswith(prompt) or not full.startswith(answer, len(prompt)):
+            raise StageError(f"tokenize.rows=conversation: the chat template renders turn {k} of {turn.prompt_id} "
+                             f"differently inside the whole conversation than it was sent and answered (a template "
+                             f"that rewrites history, e.g. generation.history_reasoning=drop); use "
+                             f"tokenize.rows=per_turn")
+        if k == 0:
+            context = context_ids(conv, turn, prompt, counts)
+        else:
+            context = conv.tokenizer.encode_chat_np(full[done:len(prompt)])
+            if turn.prompt_token_ids is not None:
+                compare_prompt(turn, conv.tokenizer.encode_chat_np(prompt), counts)
+        sampled = answer_ids(conv, turn, answer, counts)
+        start = sum(map(len, pieces)) + len(context)
+        pieces += [context, sampled]
+        spans.append((start, start + len(sampled)))
+        reasoning = reasoning_tokens(conv, turn, answer, sampled)
+        turn_lengths.append((reasoning, len(sampled) - reasoning))
+        done = len(prompt) + len(answer)
+    last = turns[-1]
+    return TokenRow(last.prompt_id, last.turn, last.thinking, np.concatenate(pieces), spans, [full], turn_lengths)
+
+
+def check_finish(turn: Turn, settings: dict, counts: Counter) -> None:
+    if turn.finish_reason not in FINISH_REASONS:
+        raise Dropped("unknown_finish_reason")
+    if turn.cut:
+        counts["finish_length"] += 1
+        if settings["on_length_finish"] == "drop":
+            raise Dropped("finish_length")
+
+
+def apply_policies(row: TokenRow, conv: ConversationTokenizer, settings: dict, counts: Counter) -> TokenRow:
+    """The mask token (escaped spelling counted; the id itself in a row drops it) and max_length."""
+    specials = conv.tokenizer.literal_specials
+    if specials and any(sp in text for text in row.texts for sp in specials):
+        counts["mask_text_escaped"] += 1
+    mask_id, max_len = settings["mask_token_id"], settings["max_length"]
+    if mask_id is not None and (row.ids == mask_id).any():
+        raise Dropped("mask_token_in_text")
+    if len(row.ids) > max_len:
+        counts["over_max_length"] += 1
+        if settings["overlength"] == "drop" or row.spans[0][0] >= max_len:
+            raise Dropped("over_max_length")
+        counts["truncated"] += 1
+        row.ids = row.ids[:max_len]
+        row.spans = [(a, min(b, max_len)) for a, b in row.spans if a < max_len]
+    return row
+
+
+def build_row(group: list[Turn], counts: Counter) -> TokenRow | None:
+    """One training row from one turn (per_turn) or one conversation's turns; None when dropped (counted)."""
+    conv, settings = _worker["conv"], _worker["settings"]
+    counts["read"] += len(group)
+    try:
+        for turn in group:
+            check_finish(turn, settings, counts)
+        row = (conversation_row(conv, group, counts) if settings["rows"] == "conversation"
+               else per_turn_row(conv, group[0], counts))
+        row = apply_policies(row, conv, settings, counts)
+    except Dropped as drop:
+        counts[f"dropped.{drop.reason}"] += len(group)
+        return None
+    except StageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template error on one row must not stop the run
+        counts["dropped.render_error"] += len(group)
+        warn(f"{group[-1].prompt_id}: cannot render: {type(exc).__name__}: {exc}")
+        return None
+    counts["kept"] += len(group)
+    return row
+
+
+def warn(message: str) -> None:
+    _worker["warnings"] += 1
+    if _worker["warnings"] <= MAX_WARNINGS:
+        print(f"warning: {message}", file=sys.stderr)
+    elif _worker["warnings"] == MAX_WARNINGS + 1:
+        print("warning: more rows cannot be rendered; meta.json counts them (dropped.render_error)", file=sys.stderr)
+
+
+def tokens_table(rows: list[TokenRow]) -> pa.Table:
     """Flat numpy buffers, not Python lists of lists: the conversion would cost as much as the tokenizing."""
-    lengths = np.fromiter((len(ids) for ids in out["input_ids"]), dtype=np.int32, count=len(out["input_ids"]))
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    lengths = np.fromiter((len(r.ids) for r in rows), dtype=np.int32, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    ids = np.concatenate(out["input_ids"]) if len(lengths) else np.zeros(0, dtype=np.int32)
-    mask = np.ones(len(ids), dtype=np.int8)
-    starts = np.asarray(out["mask_start"], dtype=np.int64)
-    for begin, start in zip(offsets[:-1], starts):
-        mask[begin: begin + start] = 0
+    ids = np.concatenate([r.ids for r in rows]).astype(np.int32, copy=False)
+    mask = np.zeros(len(ids), dtype=np.int8)
+    for begin, row in zip(offsets[:-1], rows):
+        for a, b in row.spans:
+            mask[begin + a: begin + b] = 1
+    loss = np.fromiter((sum(b - a for a, b in r.spans) for r in rows), dtype=np.int32, count=len(rows))
     pa_offsets = pa.array(offsets)
-    return pa.table([pa.array(out["prompt_id"], pa.string()), pa.array(out["turn"], pa.int32()),
+    return pa.table([pa.array([r.prompt_id for r in rows], pa.string()), pa.array([r.turn for r in rows], pa.int32()),
                      pa.ListArray.from_arrays(pa_offsets, pa.array(ids)),
-                     pa.ListArray.from_arrays(pa_offsets, pa.array(mask)), pa.array(lengths),
-                     pa.array((lengths - starts).astype(np.int32))], schema=TOKENS)
+                     pa.ListArray.from_arrays(pa_offsets, pa.array(mask)), pa.array(lengths), pa.array(loss)],
+                     schema=TOKENS)
 
 
-def tokenize_task(task: tuple[int, pa.RecordBatch, str]) -> tuple[Counter, list[int]]:
-    """One input batch -> one output shard, written by the worker itself (results never travel back as lists)."""
-    index, batch, out_dir = task
-    out, counts, lengths = tokenize_batch(batch.to_pylist())
-    if out["prompt_id"]:
+class ShardWriter:
+    """Kept rows -> tokens shards of about shard_rows rows, plus their counts and length histograms."""
+
+    def __init__(self, out_dir: Path, name: str, settings: dict):
+        self.out_dir, self.name, self.settings = out_dir, name, settings
+        self.rows: list[TokenRow] = []
+        self.shards = 0
+        self.counts = Counter()
+        self.lengths = LengthHistograms(settings["max_length"])
+
+    def add(self, row: TokenRow | None) -> None:
+        if row is not None:
+            self.rows.append(row)
+            if len(self.rows) >= self.settings["shard_rows"]:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        rows, self.rows = self.rows, []
         # token ids are near-unique per row: dictionary encoding and statistics cost 5x the write, gain nothing
-        write_table_atomic(tokens_table(out), Path(out_dir) / f"tokens-{index:05d}.parquet", use_dictionary=False,
-                           write_statistics=False)
-    return counts, lengths
+        write_table_atomic(tokens_table(rows), self.out_dir / f"tokens-{self.name}-{self.shards:04d}.parquet",
+                           use_dictionary=False, write_statistics=False)
+        self.shards += 1
+        self.counts["rows_out"] += len(rows)
+        self.counts["tokens"] += sum(len(r.ids) for r in rows)
+        self.counts["loss_tokens"] += sum(b - a for r in rows for a, b in r.spans)
+        self.counts["thinking.on"] += sum(r.thinking for r in rows)
+        self.counts["thinking.off"] += sum(not r.thinking for r in rows)
+        self.lengths.add("row", [len(r.ids) for r in rows])
+        self.lengths.add("reasoning", [t[0] for r in rows for t in r.turn_lengths])
+        self.lengths.add("answer", [t[1] for r in rows for t in r.turn_lengths])
+
+
+def input_turns(pieces: list[tuple[str, int | None]], settings: dict):
+    """The turns of one task, in batches: row groups of completions shards (per_turn), or a partition file sorted by
+    conversation (conversation)."""
+    for path, row_group in pieces:
+        file = pq.ParquetFile(path)
+        columns = [c for c in COLUMNS if c in file.schema_arrow.names]
+        if row_group is None:
+            table = file.read(columns=columns).sort_by([("prompt_id", "ascending"), ("turn", "ascending")])
+            batches = table.to_batches(max_chunksize=settings["shard_rows"])
+        else:
+            batches = file.iter_batches(batch_size=settings["shard_rows"], row_groups=[row_group], columns=columns)
+        for batch in batches:
+            yield from turns_from_batch(batch, settings["thinking"])
+
+
+def tokenize_task(task: tuple[str, list[tuple[str, int | None]]]) -> tuple[Counter, LengthHistograms]:
+    """One task -> its shards, written by the worker itself (results never travel back as lists)."""
+    name, pieces = task
+    settings = _worker["settings"]
+    writer = ShardWriter(Path(settings["out_dir"]), name, settings)
+    turns = input_turns(pieces, settings)
+    if settings["rows"] == "conversation":
+        groups = (list(group) for _, group in groupby(turns, key=lambda t: t.prompt_id))
+    else:
+        groups = ([turn] for turn in turns)
+    for group in groups:
+        writer.add(build_row(group, writer.counts))
+    writer.flush()
+    return writer.counts, writer.lengths

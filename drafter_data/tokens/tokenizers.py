@@ -98,6 +98,7 @@ class KimiTokenizer:
         added = sorted((s for s in named.values() if s not in self.literal_specials), key=len, reverse=True)
         self._added_re = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         self._added_ids = {s: self.specials[s] for s in added}
+        self.think_end_id = self.specials.get("</think>")
 
     @property
     def name(self) -> str:
@@ -130,21 +131,12 @@ class KimiTokenizer:
                 ids += self.encode(part, allow_special_tokens=True)
         return ids
 
-    def _encode_chat_np(self, text: str) -> np.ndarray:
-        if len(text) <= MAX_RUN_CHARS:  # see encode_chat; straight into numpy, no Python list of ints
+    def encode_chat_np(self, text: str) -> np.ndarray:
+        """encode_chat as an int32 array (straight into numpy, no Python list of ints, for text that is never cut)."""
+        if len(text) <= MAX_RUN_CHARS:
             return self._enc.encode_to_numpy(text, allowed_special=self._allowed, disallowed_special=()).astype(
                 np.int32)
         return np.asarray(self.encode_chat(text), dtype=np.int32)
-
-    def encode_chat_split(self, text: str, pos: int) -> tuple[np.ndarray, int]:
-        """(ids of text, index of the first token at or after character pos). pos must follow a named special token
-        (an assistant header ends with one), where the reference splits anyway, so encoding the two halves apart
-        gives exactly the ids of the whole."""
-        head = text[:pos]
-        if self._added_re is not None and not any(head.endswith(s) for s in self._added_ids):
-            raise ValueError("the loss-mask boundary must follow a special token for kimi_tiktoken")
-        first = self._encode_chat_np(head)
-        return np.concatenate([first, self._encode_chat_np(text[pos:])]), len(first)
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
@@ -172,14 +164,14 @@ class HFTokenizer:
         self.literal_specials = frozenset()  # spellings of special ids in text become the ids; callers check
         self.chat_template_in_config = config.get("chat_template")
         self.name = directory.name
+        think_end = self.encode_chat("</think>")
+        self.think_end_id = think_end[0] if len(think_end) == 1 else None
 
     def encode_chat(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_chat_split(self, text: str, pos: int) -> tuple[np.ndarray, int]:
-        enc = self._tok.encode(text, add_special_tokens=False)
-        start = next((i for i, (a, _) in enumerate(enc.offsets) if a >= pos), len(enc.ids))
-        return np.asarray(enc.ids, dtype=np.int32), start
+    def encode_chat_np(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode_chat(text), dtype=np.int32)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
@@ -204,22 +196,41 @@ class ServerTokenizer:
         self.bos_id = self._single_id(self.special_tokens_map["bos_token"])
         self.eos_id = self._single_id(self.special_tokens_map["eos_token"])
         self.pad_id = None
+        self.think_end_id = self._single_id("</think>")
         self.vocab_size = self._vocab_size()
         model_path = Path(str(props.get("model_path") or ""))
         self.files_sha256 = {model_path.name: sha256_file(model_path)} if model_path.is_file() else {}
 
     def _get(self, path: str) -> dict:
-        resp = self._http.get(self.root + path)
-        resp.raise_for_status()
-        return resp.json()
+        return self._request("GET", path)
 
     def _post(self, path: str, body: dict) -> dict:
-        resp = self._http.post(self.root + path, json=body)
-        if resp.status_code == 404:
-            raise StageError(f"{self.root}{path} is not served: the server tokenizer needs llama-server's "
-                             f"/tokenize and /apply-template endpoints")
-        resp.raise_for_status()
-        return resp.json()
+        return self._request("POST", path, body)
+
+    def _request(self, method: str, path: str, body: dict | None = None, attempts: int = 3) -> dict:
+        """One clear StageError when the server cannot tokenize (down, unreachable, failing), after a short retry:
+        every row would fail the same way, so the run stops instead of dropping them one by one."""
+        import time
+
+        import httpx2
+
+        for attempt in range(attempts):
+            try:
+                resp = self._http.request(method, self.root + path, json=body)
+            except httpx2.TransportError as exc:
+                problem = f"unreachable ({type(exc).__name__}: {exc})"
+            else:
+                if resp.status_code == 404:
+                    raise StageError(f"{self.root}{path} is not served: the server tokenizer needs llama-server's "
+                                     f"/tokenize and /apply-template endpoints")
+                if resp.status_code < 500:
+                    resp.raise_for_status()
+                    return resp.json()
+                problem = f"failing (HTTP {resp.status_code})"
+            if attempt + 1 < attempts:
+                time.sleep(0.5 * (attempt + 1))
+        raise StageError(f"the server tokenizer at {self.root} is {problem}; target.tokenizer=server needs the "
+                         f"target's server running (server.base_url)")
 
     def _single_id(self, text: str) -> int | None:
         if not text:
@@ -237,24 +248,11 @@ class ServerTokenizer:
     def apply_template(self, messages: list[dict], **template_kwargs) -> str:
         return self._post("/apply-template", {"messages": messages, "chat_template_kwargs": template_kwargs})["prompt"]
 
-    def _tokens(self, text: str) -> list[dict]:
-        return self._post("/tokenize", {"content": text, "add_special": False, "parse_special": True,
-                                        "with_pieces": True})["tokens"]
-
     def encode_chat(self, text: str) -> list[int]:
-        return [t["id"] for t in self._tokens(text)]
+        return self._post("/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
 
-    def encode_chat_split(self, text: str, pos: int) -> tuple[np.ndarray, int]:
-        tokens = self._tokens(text)
-        boundary = len(text[:pos].encode("utf-8"))
-        offset, start = 0, len(tokens)
-        for i, tok in enumerate(tokens):
-            if offset >= boundary:
-                start = i
-                break
-            piece = tok["piece"]
-            offset += len(piece.encode("utf-8")) if isinstance(piece, str) else len(piece)
-        return np.asarray([t["id"] for t in tokens], dtype=np.int32), start
+    def encode_chat_np(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode_chat(text), dtype=np.int32)
 
     def decode(self, ids: list[int]) -> str:
         return self._post("/detokenize", {"tokens": ids})["content"]

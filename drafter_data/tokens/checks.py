@@ -1,0 +1,73 @@
+"""What tokenize refuses: completions of another target or thinking mode, an output directory whose removal would
+destroy something else, and (after writing meta.json) a result that is mostly drops, drift or prompt mismatches."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from drafter_data.errors import StageError
+
+POLICIES = {"overlength": ("drop", "truncate"), "on_length_finish": ("keep", "drop"),
+            "on_mask_token_text": ("escape", "drop"), "rows": ("per_turn", "conversation")}
+
+
+def check_policies(tcfg) -> None:
+    for key, allowed in POLICIES.items():
+        if tcfg.get(key, allowed[0]) not in allowed:
+            raise StageError(f"tokenize.{key}={tcfg[key]!r}: choose one of {', '.join(allowed)}")
+
+
+def _unique(path: Path, column: str) -> set:
+    return set(pc.unique(pq.read_table(path, columns=[column]).column(column)).to_pylist()) - {None}
+
+
+def check_consistency(paths: list[Path], cfg) -> None:
+    """Refuse completions made for another target; and, unless generation.thinking_ratio mixes modes on purpose,
+    completions made in another thinking mode than generation.thinking."""
+    mixed = cfg.generation.get("thinking_ratio") is not None
+    for path in paths:
+        names = set(pq.read_schema(path).names)
+        checks = [("target", cfg.target.name, "target")]
+        if not mixed:
+            checks.append(("thinking", bool(cfg.generation.thinking), "generation.thinking"))
+        for column, expected, what in checks:
+            seen = _unique(path, column) if column in names else set()
+            if seen - {expected}:
+                raise StageError(f"completions in {cfg.tokenize.input} were generated with {column}={sorted(seen)}, "
+                                 f"but this run has {what}={expected}; tokenize them with the same setting")
+
+
+def check_output_dir(out_dir: Path, protected: dict[str, Path | None]) -> None:
+    """tokenize.output is deleted before writing: refuse when it is, or contains, something that must survive."""
+    out = out_dir.resolve()
+    for what, path in protected.items():
+        if path is None:
+            continue
+        path = Path(path).resolve()
+        if path == out or out in path.parents:
+            raise StageError(f"tokenize.output={out_dir} would delete {what} ({path}) when it is cleared; "
+                             f"choose an output directory of its own")
+
+
+def result_problems(meta: dict, max_drop_share: float, max_drift_rate: float) -> list[str]:
+    """One phrase per threshold crossed: a drop reason over max_drop_share of the rows read, drift or prompt
+    mismatches over max_drift_rate of the rows compared."""
+    rows, problems = meta["rows"], []
+    read = rows.get("read", 0)
+    for reason, count in sorted(rows.items()):
+        if reason.startswith("dropped.") and read and count / read > max_drop_share:
+            problems.append(f"{count} of {read} rows were dropped as {reason.removeprefix('dropped.')} "
+                            f"(over tokenize.max_drop_share={max_drop_share})")
+    drift = meta["drift"]
+    if drift["rate"] > max_drift_rate:
+        problems.append(f"{drift['rows_differ']} of {drift['rows_compared']} rows with the server's sampled ids "
+                        f"retokenize differently (drift rate {drift['rate']:.4f} > tokenize.max_drift_rate="
+                        f"{max_drift_rate}): the template or tokenizer does not match the server's")
+    prompt = meta["prompt_ids"]
+    if prompt["rate"] > max_drift_rate:
+        problems.append(f"{prompt['rows_differ']} of {prompt['rows_compared']} prompts render to other ids than "
+                        f"the server's prompt_token_ids (rate {prompt['rate']:.4f} > {max_drift_rate}): the template "
+                        f"or tokenizer does not match the server's")
+    return problems
