@@ -1,0 +1,150 @@
+"""What makes tokenize stop instead of writing a dataset that is not what was asked for: a drop reason taking most
+rows, a server tokenizer that is down, an output directory whose removal would destroy something else. And what it
+reports: the reasoning/answer length plot and metrics in MLflow."""
+import json
+import shutil
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from omegaconf import OmegaConf
+
+from drafter_data.errors import StageError
+from drafter_data.tokens.checks import check_output_dir
+from drafter_data.tokens.conversation import ConversationTokenizer
+from drafter_data.tokens.rows import per_turn_row
+from drafter_data.tokens.tokenizers import KimiTokenizer
+from drafter_data.tokens.turns import Turn
+from tests.conftest import KIMI_DIR, REPO, read_rows
+from tests.test_tokenize import completion_row, kimi_overrides, write_completions
+
+QA = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi", "reasoning_content": "greet"}]
+
+
+def rows_with_finish(*reasons: str) -> list[dict]:
+    return [completion_row(f"r{i}", QA, finish_reason=reason) for i, reason in enumerate(reasons)]
+
+
+def test_a_drop_reason_over_max_drop_share_fails_after_writing_meta(run_stage, tmp_path):
+    inp = write_completions(tmp_path / "in", rows_with_finish("abort", "abort", "stop"))
+    proc = run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out"), check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "2 of 3 rows were dropped as unknown_finish_reason" in last
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["rows"] == {"read": 3, "kept": 1, "dropped.unknown_finish_reason": 2}
+    run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out"), "tokenize.max_drop_share=0.7")
+    inp = write_completions(tmp_path / "in2", rows_with_finish("abort", "stop", "stop"))
+    run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out"))
+
+
+class FlakyTokenizerServer:
+    """Answers llama-server's /props and the first `answers` /tokenize calls, then fails every request (HTTP 503)."""
+
+    def __init__(self, answers: int):
+        state = {"left": answers, "calls": 0}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.reply(200, {"model_path": "", "bos_token": "<bos>", "eos_token": "<eos>"})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                state["calls"] += 1
+                state["left"] -= 1
+                self.reply(200, {"tokens": [1]}) if state["left"] >= 0 else self.reply(503, {"error": "down"})
+
+            def reply(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.state = state
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def gemma_args(url: str, inp, out) -> list[str]:
+    return ["target=gemma3-270m", "server=remote", f"server.base_url={url}", f"tokenize.input={inp}",
+            f"tokenize.output={out}"]
+
+
+def test_a_server_tokenizer_that_is_down_fails_fast_with_one_line(run_stage, tmp_path):
+    from drafter_data.server.local import free_port
+
+    inp = write_completions(tmp_path / "in", [completion_row(f"r{i}", QA) for i in range(50)])
+    proc = run_stage("tokenize", *gemma_args(f"http://127.0.0.1:{free_port()}/v1", inp, tmp_path / "out"),
+                     check=False, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "unreachable" in lines[0], proc.stderr[-2000:]
+    server = FlakyTokenizerServer(answers=3)  # the start-up lookups (bos, eos, </think>), then down
+    try:
+        proc = run_stage("tokenize", *gemma_args(server.url, inp, tmp_path / "out"), check=False, timeout=60)
+    finally:
+        server.close()
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and "failing (HTTP 503)" in lines[-1] and len(lines) <= 2, proc.stderr[-2000:]
+    assert server.state["calls"] < 20  # stopped at the first rows, not one failure per row
+
+
+def test_output_that_would_delete_the_input_or_the_tokenizer_is_refused(run_stage, tmp_path):
+    inp = write_completions(tmp_path / "in", [completion_row("x", QA)])
+    proc = run_stage("tokenize", *kimi_overrides(inp, inp), check=False)
+    assert proc.returncode == 1 and "would delete the input" in proc.stderr.strip().splitlines()[-1]
+    assert (inp / "completions-00000.parquet").exists()
+    model = tmp_path / "models" / "kimi"
+    shutil.copytree(KIMI_DIR, model)
+    args = kimi_overrides(inp, tmp_path / "models")
+    args[1] = f"target.tokenizer_dir={model}"
+    proc = run_stage("tokenize", *args, check=False)
+    assert proc.returncode == 1 and "would delete the tokenizer directory" in proc.stderr.strip().splitlines()[-1]
+    assert (model / "tiktoken.model").exists()
+
+
+def test_output_guard_protects_the_repo_and_what_contains_it(tmp_path):
+    protected = {"the repo": REPO, "the input": tmp_path / "data" / "completions", "nothing": None}
+    for out in (REPO, REPO.parent, tmp_path, tmp_path / "data", tmp_path / "data" / "completions"):
+        with pytest.raises(StageError, match="would delete"):
+            check_output_dir(out, protected)
+    check_output_dir(tmp_path / "data" / "tokens", protected)
+    check_output_dir(tmp_path / "data" / "completions" / "tokens", protected)
+
+
+def test_reasoning_and_answer_tokens_per_turn():
+    target = OmegaConf.load(REPO / "conf/target/kimi-k2.6.yaml")
+    target.tokenizer_dir = str(KIMI_DIR)
+    tok = KimiTokenizer(KIMI_DIR)
+    conv = ConversationTokenizer(target, tok, {"thinking": True, "preserve_thinking": True})
+    reasoning, content = "Let me count the letters one by one.", "There are three."
+    turn = Turn("p", 0, [QA[0]], None, True, reasoning, content, None, "stop")
+    row = per_turn_row(conv, turn, Counter())
+    assert row.turn_lengths == [(len(tok.encode(reasoning)), 1 + len(tok.encode(content)) + 1)]  # </think> .. im_end
+
+
+def test_mlflow_run_has_the_length_plot_and_the_new_metrics(run_stage, tmp_path, mlflow_uri):
+    from mlflow.tracking import MlflowClient
+
+    inp = write_completions(tmp_path / "in", [completion_row(f"r{i}", QA) for i in range(3)])
+    out = tmp_path / "out"
+    run_stage("tokenize", *kimi_overrides(inp, out))
+    client = MlflowClient(mlflow_uri)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+            if r.data.params.get("tokenize.output") == str(out)]
+    assert len(runs) == 1
+    run = runs[0]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/token_lengths.png"]
+    png = client.download_artifacts(run.info.run_id, "plots/token_lengths.png", str(tmp_path))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    metrics = run.data.metrics
+    assert metrics["drift.rows_compared"] == 0 and metrics["thinking_rows.on"] == 3 and metrics["rows.kept"] == 3
+    assert read_rows(out) and len(read_rows(out)) == 3
