@@ -1,54 +1,156 @@
-"""Prints the recent pipeline runs from MLflow side by side.
+"""Prints recent pipeline runs side by side: one column per `dvc repro` / `dvc exp run` (the stage runs that share a
+`pipeline_run` tag), one row per figure a user compares between two configs (thinking on/off, two servers, ...).
 
-    python -m drafter_data.compare_runs                  # the last 20 runs of every stage
-    python -m drafter_data.compare_runs --stage generate --last 5
+    python -m drafter_data.compare_runs                         # the last 5 pipeline runs
+    python -m drafter_data.compare_runs --last 2
+    python -m drafter_data.compare_runs --pipeline-run ID --pipeline-run ID
+    python -m drafter_data.compare_runs --stage generate --last 10   # single stage runs, newest first
+
+A blank cell: that stage did not run in that invocation (DVC skipped it as unchanged) or did not log the figure.
 """
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+from collections import defaultdict
+from urllib.parse import urlsplit
 
 from omegaconf import OmegaConf
 
-from drafter_data.tracking import tracking_uri
+from drafter_data.tracking import EXPERIMENT, STAGES, redact, tracking_uri
 
-COLUMNS = {
-    "params.server.model": "model",
-    "params.generation.thinking": "thinking",
-    "params.generation.concurrency": "conc",
-    "params.prepare.sample": "sample",
-    "metrics.kept": "kept",
-    "metrics.best.output_tokens_per_s": "assessed tok/s",
-    "metrics.projection.days": "proj. days",
-    "metrics.output_tokens_per_s": "gen tok/s",
-    "metrics.done_total": "done",
-    "metrics.failed_total": "failed",
-    "metrics.tokens": "tokens",
-}
+SEARCH_LIMIT = 2000
+
+
+def _metric(runs: dict, stage: str, key: str):
+    run = runs.get(stage)
+    return run.data.metrics.get(key) if run else None
+
+
+def _ratio(numerator, denominator):
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def _server(runs: dict) -> str | None:
+    for stage in ("generate", "assess", "tokenize"):
+        run = runs.get(stage)
+        if run and "server.base_url" in run.data.params:
+            hosts = [urlsplit(u.strip(" '\"[]")).netloc for u in run.data.params["server.base_url"].split(",")]
+            return f"{run.data.params.get('server.model', '?')} @ {' '.join(h for h in hosts if h)}"
+    return None
+
+
+def _real_vs_projected(runs: dict):
+    logged = _metric(runs, "generate", "throughput_vs_assessed")
+    if logged is not None:
+        return logged
+    return _ratio(_metric(runs, "generate", "output_tokens_per_s"),
+                  _metric(runs, "generate", "assessed_output_tokens_per_s"))
+
+
+def _length_cut_share(runs: dict):
+    share = _ratio(_metric(runs, "generate", "stopped_at_length"), _metric(runs, "generate", "completions"))
+    if share is None:
+        share = _ratio(_metric(runs, "tokenize", "rows.finish_length"), _metric(runs, "tokenize", "rows.read"))
+    return share
+
+
+def _tag(runs: dict, key: str):
+    return next((r.data.tags[key] for r in runs.values() if key in r.data.tags), None)
+
+
+# (row label, figure of one pipeline run's {stage: run}, format)
+FIGURES = [
+    ("started", lambda r: min(x.info.start_time for x in r.values()), "time"),
+    ("dvc exp", lambda r: _tag(r, "dvc_exp"), "s"),
+    ("target", lambda r: _tag(r, "target"), "s"),
+    ("thinking", lambda r: _tag(r, "thinking"), "s"),
+    ("server", _server, "s"),
+    ("stages run", lambda r: " ".join(s for s in STAGES if s in r), "s"),
+    ("prompts kept", lambda r: _metric(r, "prepare", "kept"), "int"),
+    ("assessed tok/s", lambda r: _metric(r, "assess", "best.output_tokens_per_s"), "1f"),
+    ("projected days", lambda r: _metric(r, "assess", "projection.days"), "2f"),
+    ("output tok/s", lambda r: _metric(r, "generate", "output_tokens_per_s"), "1f"),
+    ("real/projected tok/s", _real_vs_projected, "2f"),
+    ("completions", lambda r: _metric(r, "generate", "done_total"), "int"),
+    ("failed", lambda r: _metric(r, "generate", "failed_total"), "int"),
+    ("length-cut share", _length_cut_share, "pct"),
+    ("tokens made", lambda r: _metric(r, "tokenize", "tokens"), "int"),
+    ("loss tokens", lambda r: _metric(r, "tokenize", "loss_tokens"), "int"),
+    ("drift rate", lambda r: _metric(r, "tokenize", "drift.rate"), "4f"),
+]
+
+
+def _format(value, kind: str) -> str:
+    if value is None:
+        return ""
+    if kind == "time":
+        return dt.datetime.fromtimestamp(value / 1000).strftime("%m-%d %H:%M")
+    if kind == "int":
+        return f"{value:,.0f}"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "s":
+        return str(value)
+    return f"{value:,.{kind[0]}f}"
+
+
+def group_by_pipeline_run(runs: list) -> dict[str, dict]:
+    """pipeline_run -> {stage: its newest run}, newest pipeline run first (runs come newest first)."""
+    groups: dict[str, dict] = defaultdict(dict)
+    for run in runs:
+        pipeline_run = run.data.tags.get("pipeline_run") or f"run-{run.info.run_id[:8]}"
+        groups[pipeline_run].setdefault(run.data.tags.get("stage", "?"), run)
+    return dict(groups)
+
+
+def side_by_side(groups: dict[str, dict]) -> str:
+    columns = [[name] + [_format(fn(runs), kind) for _, fn, kind in FIGURES] for name, runs in groups.items()]
+    labels = ["pipeline run"] + [label for label, _, _ in FIGURES]
+    table = [labels] + columns
+    widths = [max(len(cell) for cell in column) for column in table]
+    lines = []
+    for i in range(len(labels)):
+        cells = [column[i].ljust(widths[0]) if c == 0 else column[i].rjust(widths[c]) for c, column in enumerate(table)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def stage_runs(runs: list, stage: str) -> str:
+    lines = []
+    for run in runs:
+        metrics = ", ".join(f"{k}={v:,.4g}" for k, v in sorted(run.data.metrics.items())[:12])
+        started = _format(run.info.start_time, "time")
+        lines.append(f"{started}  {run.info.run_name}  [{run.data.tags.get('pipeline_run', '')}]  {metrics}")
+    return "\n".join(lines) or f"no runs of stage {stage}"
 
 
 def main(argv=None) -> None:
-    import mlflow
-    import pandas as pd
+    from mlflow.tracking import MlflowClient
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", help="only runs of this stage (prepare, assess, generate, tokenize)")
-    parser.add_argument("--last", type=int, default=20)
-    parser.add_argument("--experiment", default="drafter-data")
+    parser.add_argument("--last", type=int, default=5, help="how many pipeline runs (or stage runs with --stage)")
+    parser.add_argument("--pipeline-run", action="append", default=[], help="these pipeline runs (repeatable)")
+    parser.add_argument("--stage", help="list single runs of this stage instead")
+    parser.add_argument("--experiment", default=EXPERIMENT)
     args = parser.parse_args(argv)
-    mlflow.set_tracking_uri(tracking_uri(OmegaConf.create({})))
-    runs = mlflow.search_runs(experiment_names=[args.experiment], max_results=args.last,
-                              filter_string=f"tags.stage = '{args.stage}'" if args.stage else "",
-                              order_by=["attributes.start_time DESC"])
-    if runs.empty:
-        print(f"no runs in experiment {args.experiment!r} at {mlflow.get_tracking_uri()}")
+    uri = tracking_uri(OmegaConf.create({}))
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(args.experiment)
+    if exp is None:
+        print(f"no experiment {args.experiment!r} at {redact(uri)}")
         return
-    table = pd.DataFrame({"start": runs["start_time"].dt.strftime("%m-%d %H:%M"), "stage": runs["tags.stage"],
-                          "commit": runs.get("tags.git_commit", pd.Series(dtype=str)).str[:8]})
-    for column, name in COLUMNS.items():
-        if column in runs and runs[column].notna().any():
-            table[name] = runs[column].round(2) if runs[column].dtype.kind == "f" else runs[column]
-    with pd.option_context("display.width", 200, "display.max_columns", 30):
-        print(table.astype(object).fillna("").to_string(index=False))
+    filters = [f"tags.stage = '{args.stage}'"] if args.stage else []
+    if args.pipeline_run:
+        filters.append("tags.pipeline_run IN (" + ", ".join(f"'{p}'" for p in args.pipeline_run) + ")")
+    runs = client.search_runs([exp.experiment_id], " AND ".join(filters), max_results=SEARCH_LIMIT,
+                              order_by=["attributes.start_time DESC"])
+    if args.stage:
+        print(stage_runs(runs[:args.last], args.stage))
+        return
+    newest = list(group_by_pipeline_run(runs).items())[:len(args.pipeline_run) or args.last]
+    groups = dict(reversed(newest))  # oldest on the left: read left to right in the order they ran
+    print(side_by_side(groups) if groups else f"no runs in experiment {args.experiment!r} at {redact(uri)}")
 
 
 if __name__ == "__main__":

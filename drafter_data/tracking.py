@@ -1,15 +1,27 @@
-"""MLflow across the pipeline: one experiment, one run per stage execution, traceable to code and data.
+"""MLflow across the pipeline: one experiment, one run per stage execution, traceable to code, data and invocation.
 
-Every run logs the stage's resolved config (flattened; secrets never: only the *name* of the key's env var is in the
-config), its counts and throughput as metrics, reports/plots as artifacts, and tags with the git commit and the DVC
-hashes of the stage's deps and outs as recorded in dvc.lock.
+Each run is named `<stage> · <target> · thinking=<on|off|mix>`, starts when its stage's process started (so the UI's
+duration is the stage's), and is tagged `stage`, `target`, `pipeline_run` (one id shared by the stage runs of one
+`dvc repro` / `dvc exp run`), `dvc_exp` under `dvc exp run`, the git commit and the DVC hashes of its data inputs.
+Params are the stage's resolved config, flattened; secrets never: keys named like secrets are left out, URLs lose
+their user:password, and the API key appears only as the *name* of its environment variable.
+
+Tracking is best effort and isolated: every MLflow call runs on one background thread, so a slow or locked store
+never holds up a stage, and a failure is reported once on stderr and never raised: a stage's data never depend on
+MLflow.
 """
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
 import os
+import queue
 import re
 import subprocess
+import sys
+import threading
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,8 +30,21 @@ from omegaconf import DictConfig
 
 from drafter_data.config import flatten
 
-_SECRET = re.compile(r"(api_key|token|secret|password)$", re.I)
+EXPERIMENT = "drafter-data"
+STAGES = ("prepare", "assess", "generate", "tokenize")  # the stages that log a run, in pipeline order
+# What MLflow 3 reads as "a training experiment" (custom_model_development is shown as "Machine learning").
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+# The longest a stage waits for MLflow at an artifact upload or at its end, before going on without it.
+WAIT_S = 120.0
+# A run's metrics waiting to be sent are capped (oldest dropped) while the store does not answer.
+MAX_PENDING_METRICS = 100_000
+
+_SECRET_KEY = re.compile(r"(api_key|token|secret|password)$", re.I)
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s'\"]+@", re.I)
+_SECRET_QUERY = re.compile(r"(?P<name>[?&](?:[a-z_]*key|[a-z_]*token|secret|password|sig|signature)=)[^&\s'\"]+",
+                           re.I)
 _EXPS_TMP = os.sep + os.path.join(".dvc", "tmp", "exps") + os.sep
+_DVC_COMMANDS = {"repro", "exp"}  # `dvc repro`, `dvc exp run`, and the queue's `dvc exp exec-run` worker
 
 
 def repo_root() -> Path:
@@ -39,14 +64,81 @@ def tracking_uri(cfg: DictConfig) -> str:
     return f"sqlite:///{repo_root() / 'mlflow.db'}"
 
 
-def _public_params(cfg: DictConfig) -> dict[str, str]:
+def redact(text: str) -> str:
+    """A URL (or text holding URLs) without user:password and without secret-looking query values."""
+    text = _URL_USERINFO.sub(r"\g<scheme>", text)
+    return _SECRET_QUERY.sub(r"\g<name>***", text)
+
+
+def public_params(cfg: DictConfig) -> dict[str, str]:
     params = {}
     for key, value in flatten(cfg).items():
-        if _SECRET.search(key.split(".")[-1]) and not key.endswith("_env"):
+        if _SECRET_KEY.search(key.split(".")[-1]) and not key.endswith("_env"):
             continue
-        text = str(value)
+        text = redact(str(value))
         params[key] = text if len(text) <= 6000 else text[:5990] + "..."
     return params
+
+
+def thinking_label(cfg: DictConfig) -> str:
+    generation = cfg.get("generation") or {}
+    if generation.get("thinking_ratio") is not None:
+        return "mix"
+    return "on" if generation.get("thinking", True) else "off"
+
+
+def target_name(cfg: DictConfig) -> str:
+    return str((cfg.get("target") or {}).get("name") or "unknown-target")
+
+
+def run_name(stage: str, cfg: DictConfig) -> str:
+    return f"{stage} · {target_name(cfg)} · thinking={thinking_label(cfg)}"
+
+
+def _is_dvc_invocation(cmdline: list[str]) -> bool:
+    """[python, .../dvc, repro, ...], [.../dvc, exp, run, ...], [python, -m, dvc, repro, ...]"""
+    head = [os.path.basename(a) for a in cmdline[:3]]
+    return "dvc" in head and any(a in _DVC_COMMANDS for a in cmdline[1:4])
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pipeline_run_id() -> str:
+    """One id per `dvc repro` / `dvc exp run` invocation, shared by all the stages it runs: derived from the nearest
+    ancestor dvc process (its pid, start time and the boot id), so it needs no state. PIPELINE_RUN_ID overrides it;
+    a stage run by hand gets an id of its own."""
+    if os.environ.get("PIPELINE_RUN_ID"):
+        return os.environ["PIPELINE_RUN_ID"]
+    import psutil
+
+    try:
+        for proc in psutil.Process().parents():  # nearest first
+            try:
+                cmdline = proc.cmdline()
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            if _is_dvc_invocation(cmdline):
+                started = proc.create_time()
+                digest = hashlib.sha1(f"{_boot_id()}:{proc.pid}:{started}".encode()).hexdigest()[:8]
+                return f"{dt.datetime.fromtimestamp(started, dt.timezone.utc):%Y%m%dT%H%M%SZ}-{digest}"
+    except psutil.Error:
+        pass
+    return f"adhoc-{uuid.uuid4().hex[:12]}"
+
+
+def stage_start_ms() -> int:
+    """When this stage's process started: the run's start, though prepare and tokenize open it at their end."""
+    import psutil
+
+    try:
+        return int(psutil.Process().create_time() * 1000)
+    except psutil.Error:
+        return int(time.time() * 1000)
 
 
 def _git_commit() -> str | None:
@@ -72,56 +164,171 @@ def _dvc_tags(stage: str) -> dict[str, str]:
     return {f"dvc.input.{dep}": produced[dep] for dep in deps if isinstance(dep, str) and dep in produced}
 
 
+def run_tags(stage: str, cfg: DictConfig) -> dict[str, str]:
+    tags = {"stage": stage, "target": target_name(cfg), "thinking": thinking_label(cfg),
+            "pipeline_run": pipeline_run_id(), **_dvc_tags(stage)}
+    if os.environ.get("DVC_EXP_NAME"):
+        tags["dvc_exp"] = os.environ["DVC_EXP_NAME"]
+    if os.environ.get("DVC_EXP_BASELINE_REV"):
+        tags["dvc_exp_baseline"] = os.environ["DVC_EXP_BASELINE_REV"]
+    commit = _git_commit()
+    if commit:
+        tags["git_commit"] = commit
+        tags["mlflow.source.git.commit"] = commit
+    return {k: redact(str(v)) for k, v in tags.items()}
+
+
+def experiment_name(cfg: DictConfig) -> str:
+    return str((cfg.get("mlflow") or {}).get("experiment") or EXPERIMENT)
+
+
 def preload() -> None:
     """Imports mlflow (1.5-2 s) in the background while a stage does its work, so the run is logged at once."""
-    import threading
-
     threading.Thread(target=lambda: __import__("mlflow"), daemon=True).start()
 
 
+def _experiment_id(client, name: str, uri: str) -> str:
+    """The experiment, created if missing (artifacts beside a sqlite database, not under whatever the cwd is, which
+    in a `dvc exp` temp copy is thrown away), tagged as a training experiment."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        location = None
+        if uri.startswith("sqlite:///"):
+            location = (Path(uri[len("sqlite:///"):]).parent / "mlruns").resolve().as_uri()
+        try:
+            return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
+        except MlflowException:  # another stage created it at the same moment
+            exp = client.get_experiment_by_name(name)
+    for key, value in EXPERIMENT_KIND.items():
+        if exp.tags.get(key) != value:
+            client.set_experiment_tag(exp.experiment_id, key, value)
+    return exp.experiment_id
+
+
 class StageRun:
-    """A thin handle over the active MLflow run; metrics are buffered and sent in batches (one call ~20 ms)."""
+    """One stage's MLflow run. Calls go, in order, to one background thread; none of them ever raises. Metrics are
+    buffered and sent in batches (one call costs ~20 ms on sqlite, far more on a slow server)."""
 
-    def __init__(self, run_id: str, client):
-        self.run_id = run_id
-        self._client = client
-        self._pending = []
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.run_id: str | None = None
+        self._client = None
+        self._calls: queue.Queue = queue.Queue()
+        self._pending: list[tuple[str, float, int, int]] = []
         self._last_flush = time.monotonic()
+        self._reported = False
+        self._thread = threading.Thread(target=self._work, name=f"mlflow-{stage}", daemon=True)
+        self._thread.start()
 
+    # --- the stage's side: never blocks long, never raises
     def metrics(self, values: dict[str, float], step: int | None = None, flush_every_s: float = 10.0) -> None:
-        from mlflow.entities import Metric
-
-        now_ms = int(time.time() * 1000)
-        self._pending += [Metric(k, float(v), now_ms, step or 0) for k, v in values.items() if v is not None]
-        if time.monotonic() - self._last_flush >= flush_every_s:
-            self.flush()
+        try:
+            now_ms = int(time.time() * 1000)
+            self._pending += [(k, float(v), now_ms, step or 0) for k, v in values.items() if v is not None]
+            del self._pending[:-MAX_PENDING_METRICS]
+            if time.monotonic() - self._last_flush >= flush_every_s:
+                self._send_pending()
+        except Exception as exc:  # a value that is not a number must not stop the stage either
+            self._report("metrics", exc)
 
     def flush(self) -> None:
-        if self._pending:
-            self._client.log_batch(self.run_id, metrics=self._pending)
-            self._pending = []
-        self._last_flush = time.monotonic()
+        """Sends the buffered metrics and waits (bounded) until MLflow has them."""
+        self._send_pending()
+        self._wait()
 
     def artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
-        self._client.log_artifact(self.run_id, str(path), artifact_path)
+        """Uploads a file; returns once it is uploaded or failed (bounded), so the file may be removed after."""
+        self._submit(self._upload, str(path), artifact_path)
+        self._wait()
+
+    def figure(self, png_path: Path | str) -> None:
+        """A plot, shown under plots/ in the run."""
+        self.artifact(png_path, "plots")
+
+    def open(self, uri: str, experiment: str, name: str, tags: dict, params: dict, start_ms: int) -> None:
+        self._submit(self._open, uri, experiment, name, tags, params, start_ms)
+
+    def close(self, status: str) -> None:
+        self._send_pending()
+        self._submit(self._terminate, status, int(time.time() * 1000))
+        self._wait()
+
+    # --- the background thread's side
+    def _submit(self, fn, *args) -> None:
+        self._calls.put((fn, args))
+
+    def _send_pending(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._submit(self._log_metrics, batch)
+        self._last_flush = time.monotonic()
+
+    def _wait(self) -> None:
+        done = threading.Event()
+        self._submit(done.set)
+        if not done.wait(WAIT_S):
+            self._report("waiting", TimeoutError(f"no answer in {WAIT_S:.0f} s"))
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._calls.get()
+            try:
+                fn(*args)
+            except Exception as exc:
+                self._report(fn.__name__.strip("_"), exc)
+
+    def _report(self, what: str, exc: BaseException) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        print(f"warning: MLflow ({what}): {type(exc).__name__}: {redact(reason)}; {self.stage} goes on without it "
+              f"(its data are not affected; further MLflow errors of this run are not shown)", file=sys.stderr)
+
+    def _open(self, uri: str, experiment: str, name: str, tags: dict, params: dict, start_ms: int) -> None:
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        run = client.create_run(_experiment_id(client, experiment, uri), start_time=start_ms, tags=tags,
+                                run_name=name)
+        self._client, self.run_id = client, run.info.run_id
+        client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
+
+    def _log_metrics(self, batch: list[tuple[str, float, int, int]]) -> None:
+        if self.run_id is None:
+            return  # the run could not be opened (reported then)
+        from mlflow.entities import Metric
+
+        self._client.log_batch(self.run_id, metrics=[Metric(*m) for m in batch])
+
+    def _upload(self, path: str, artifact_path: str | None) -> None:
+        if self.run_id is not None:
+            self._client.log_artifact(self.run_id, path, artifact_path)
+
+    def _terminate(self, status: str, end_ms: int) -> None:
+        if self.run_id is not None:
+            self._client.set_terminated(self.run_id, status, end_time=end_ms)
 
 
 @contextmanager
 def stage_run(stage: str, cfg: DictConfig):
-    """with stage_run("prepare", cfg) as run: run.metrics({...}); ..."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    mlflow.set_tracking_uri(tracking_uri(cfg))
-    mlflow.set_experiment(cfg.get("mlflow", {}).get("experiment") or "drafter-data")
-    tags = {"stage": stage, **_dvc_tags(stage)}
-    commit = _git_commit()
-    if commit:
-        tags["git_commit"] = commit
-    with mlflow.start_run(run_name=stage, tags=tags) as active:
-        mlflow.log_params(_public_params(cfg))
-        run = StageRun(active.info.run_id, MlflowClient())
-        try:
-            yield run
-        finally:
-            run.flush()
+    """with stage_run("prepare", cfg) as run: run.metrics({...}); run.artifact(path)"""
+    run = StageRun(stage)
+    try:
+        run.open(tracking_uri(cfg), experiment_name(cfg), run_name(stage, cfg), run_tags(stage, cfg),
+                 public_params(cfg), stage_start_ms())
+    except Exception as exc:  # the config could not be read for tracking: the stage still runs
+        run._report("open", exc)
+    status = "FAILED"
+    try:
+        yield run
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        run.close(status)
