@@ -20,13 +20,17 @@ from drafter_data.errors import StageError
 from drafter_data.prompts import formats
 from drafter_data.prompts.accounts import Accounts
 from drafter_data.prompts.normalize import normalize_sources
+from drafter_data.prompts.prompt import MODES
 from drafter_data.prompts.selection import choose, write_chosen
-from drafter_data.tracking import stage_run
+from drafter_data.tracking import preload, stage_run
 
 
 def main(cfg) -> int:
+    preload()  # MLflow's import (~2 s) runs while the prompts are read
     pcfg = cfg.prepare
     sources = check_sources(pcfg.sources)
+    if (pcfg.get("turns") or "first") not in MODES:
+        raise StageError(f"prepare.turns must be one of {', '.join(MODES)}, got {pcfg.get('turns')!r}")
     out_dir = fresh_output(Path(pcfg.output))
     tmp_dir = out_dir / ".pass1"
     tmp_dir.mkdir()
@@ -82,6 +86,10 @@ def print_summary(stats: dict, out_dir: Path) -> None:
     total_kept = sum(s["kept"] for s in stats.values())
     print(f"kept {total_kept} prompts in {out_dir}; rejected records listed in {out_dir / 'rejects.jsonl'}",
           file=sys.stderr)
+    unexpected = sum(s["dropped"].get("unexpected_error", 0) for s in stats.values())
+    if unexpected:
+        print(f"warning: {unexpected} records hit an unexpected error (a bug in prepare: please report it with "
+              f"their rejects.jsonl entries)", file=sys.stderr)
 
 
 def log_run(cfg, stats: dict, out_dir: Path) -> None:

@@ -78,13 +78,17 @@ def test_long_prompts_are_dropped_under_their_own_reason(run_stage, tmp_path):
     assert sum(r["reason"] == "too_long" for r in rejects) == stats["sg"]["dropped"]["too_long"]
 
 
-def test_tool_records_keep_their_declaration(run_stage, tmp_path):
+def test_tool_records_keep_their_declaration_wrapped_in_openai_form(run_stage, tmp_path):
     rows, stats, _ = prepare(run_stage, tmp_path / "out", ("glaive", fixture("glaive_toolcall_en_demo.json"), "auto"))
     with_tools = [r for r in rows if r["tools"]]
     assert with_tools and len(with_tools) < len(rows)  # 109 records declare "[]": no tools column for those
+    declared = {json.dumps(json.loads(r["tools"]), sort_keys=True)
+                for r in json.loads(fixture("glaive_toolcall_en_demo.json").read_text()) if r["tools"] != "[]"}
     for r in with_tools:
         tools = orjson.loads(r["tools"])
-        assert isinstance(tools, list) and tools and "name" in tools[0]
+        assert tools and all(t["type"] == "function" and t["function"]["name"] for t in tools)
+        # glaive ships bare function schemas: each is wrapped as it was, nothing else changed
+        assert json.dumps([t["function"] for t in tools], sort_keys=True) in declared
 
 
 def test_multi_turn_prefix_option(run_stage, tmp_path):
@@ -134,12 +138,15 @@ def test_malformed_records_are_counted_listed_and_do_not_stop_the_run(run_stage,
     assert all(r["path"].endswith((".jsonl", ".json")) for r in rejects)
 
 
-def test_a_broken_json_list_sets_aside_the_rest(run_stage, tmp_path):
+def test_a_syntax_error_in_a_json_list_sets_aside_only_what_cannot_be_read(run_stage, tmp_path):
+    """A missing comma: the element after it is set aside (listed), and reading resumes at the next element."""
     listed = tmp_path / "broken.json"
     listed.write_text('[{"prompt": "a"}, {"prompt": "b"} {"prompt": "c"}, {"prompt": "d"}]')
     rows, stats, rejects = prepare(run_stage, tmp_path / "out", ("x", listed, "auto"))
-    assert [r["messages"][0]["content"] for r in rows] == ["a", "b"]
-    assert len(rejects) == 1 and rejects[0]["reason"] == "invalid_json" and '"c"' in rejects[0]["record"]
+    assert [r["messages"][0]["content"] for r in rows] == ["a", "b", "d"]
+    assert stats["x"] == {"read": 4, "kept": 3, "dropped": {"invalid_json": 1}}
+    assert len(rejects) == 1 and rejects[0]["reason"] == "invalid_json" and rejects[0]["index"] == 3
+    assert rejects[0]["record"].startswith('{"prompt": "c"}') and '"d"' not in rejects[0]["record"]
 
 
 def test_missing_file_is_a_clear_error(run_stage, tmp_path):

@@ -1,13 +1,22 @@
-"""Turns one raw record of any supported prompt format into the contract's messages: [{role, content}, ...].
+"""Turns one raw record of any supported prompt format into its conversation: (role, text, extras) turns, roles mapped
+to the contract's four, extras the message's fields beyond role/content (`tool_calls`, `tool_call_id`, `name`,
+`reasoning_content`) or None.
 
-Formats: ShareGPT (`conversations` of `from`/`value`), OpenAI (`messages` of `role`/`content`), Alpaca
-(`instruction`/`input`), and prompt-only records (`prompt`, `question`, `query`, `instruction`, `text`, or a `turns` list).
+Formats: ShareGPT (`conversations` of `from`/`value`; glaive's function_call/observation turns; a top-level `system`),
+OpenAI (`messages` of `role`/`content`, `tool_calls`, `tool_call_id`, the legacy `function_call`), Alpaca
+(`instruction`/`input`), and prompt-only records (`prompt`, `question`, `query`, `instruction`, `text`, or a `turns`
+list).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import orjson
+
+from drafter_data.prompts.malformed import Malformed
+from drafter_data.prompts.tools import CallLog
+
+__all__ = ["FORMATS", "MISSING_ANSWER", "Malformed", "Turn", "detect", "to_turns"]
 
 FORMATS = ("auto", "jsonl", "sharegpt", "openai", "alpaca", "prompt")
 
@@ -19,11 +28,12 @@ ROLE_NAMES = {
     "system": "system",
     "observation": "tool", "tool": "tool", "function": "tool", "ipython": "tool",
 }
+CALL_SPEAKERS = frozenset({"function_call", "tool_call"})  # assistant turns whose value is a tool call
 PROMPT_KEYS = ("prompt", "question", "query", "instruction", "text", "input")
 
-
-class Malformed(Exception):
-    """The record does not have the shape its format needs; args[0] is the reason, args[1] the detail."""
+Turn = tuple[str, str, "dict | None"]
+# Between the turns of a prompt-only `turns` list: an answer the record implies but does not have (text None)
+MISSING_ANSWER: Turn = ("assistant", None, None)
 
 
 def detect(record: Any) -> str:
@@ -43,9 +53,9 @@ def detect(record: Any) -> str:
     raise Malformed("missing_field", f"no known prompt field among keys {sorted(record)[:8]}")
 
 
-def to_turns(record: Any, fmt: str, first_only: bool = False) -> list[tuple[str, str]]:
-    """The record's conversation as (role, text) pairs, roles already mapped; with first_only it stops reading at
-    the first user turn (all a `first` prompt needs; later turns are then not validated)."""
+def to_turns(record: Any, fmt: str, first_only: bool = False) -> list[Turn]:
+    """The record's conversation as (role, text, extras) turns; with first_only it stops reading at the first user
+    turn (all a `first` prompt needs; later turns are then not validated)."""
     if fmt in ("auto", "jsonl"):
         fmt = detect(record)
     elif not isinstance(record, dict):
@@ -70,18 +80,21 @@ def _text(value: Any, where: str) -> str:
         parts = [p.get("text", "") for p in value if isinstance(p, dict) and p.get("type", "text") == "text"]
         if all(isinstance(p, str) for p in parts):
             return "".join(parts)
-    if isinstance(value, dict):  # e.g. a function_call given as an object
-        return orjson.dumps(value).decode()
+    if isinstance(value, dict):  # e.g. a tool result given as an object
+        try:
+            return orjson.dumps(value).decode()
+        except orjson.JSONEncodeError as exc:
+            raise Malformed("wrong_type", f"{where} is an object that cannot be written as text: {exc}") from None
     raise Malformed("wrong_type", f"{where} must be a string, got {type(value).__name__}")
 
 
-def _role(name: Any, where: str) -> str:
+def _speaker(name: Any, where: str) -> str:
     if not isinstance(name, str):
         raise Malformed("wrong_type", f"{where} must be a string, got {type(name).__name__}")
-    role = ROLE_NAMES.get(name.strip().lower())
-    if role is None:
+    speaker = name.strip().lower()
+    if speaker not in ROLE_NAMES:
         raise Malformed("unknown_role", f"{where} {name!r} is not a known speaker")
-    return role
+    return speaker
 
 
 def _turn_list(record: dict, key: str) -> list:
@@ -93,9 +106,15 @@ def _turn_list(record: dict, key: str) -> list:
     return turns
 
 
-def _sharegpt(record: dict, first_only: bool = False) -> list[tuple[str, str]]:
+def _system_field(record: dict) -> list[Turn]:
+    system = record.get("system")
+    return [("system", _text(system, "system"), None)] if system else []
+
+
+def _sharegpt(record: dict, first_only: bool = False) -> list[Turn]:
     key = "conversations" if "conversations" in record else "messages"
-    out = []
+    out = _system_field(record)  # LLaMA-Factory's ShareGPT keeps the system prompt beside the turns
+    calls = None
     for i, turn in enumerate(_turn_list(record, key)):
         if not isinstance(turn, dict):
             raise Malformed("wrong_type", f"{key}[{i}] must be an object")
@@ -104,86 +123,73 @@ def _sharegpt(record: dict, first_only: bool = False) -> list[tuple[str, str]]:
         if role is None or not isinstance(value, str):
             if "from" not in turn or "value" not in turn:
                 raise Malformed("missing_field", f"{key}[{i}] needs 'from' and 'value'")
-            role, value = _role(speaker, f"{key}[{i}].from"), _text(value, f"{key}[{i}].value")
-        out.append((role, value))
+            speaker = _speaker(speaker, f"{key}[{i}].from")
+            role = ROLE_NAMES[speaker]
+            if speaker not in CALL_SPEAKERS:
+                value = _text(value, f"{key}[{i}].value")
+        extras = None
+        if role == "tool" or speaker in CALL_SPEAKERS:
+            calls = calls or CallLog()
+            if role == "tool":
+                extras = calls.result_fields() or None
+            else:
+                extras, value = {"tool_calls": calls.glaive_calls(value, f"{key}[{i}].value")}, ""
+        out.append((role, value, extras))
         if first_only and role == "user":
             break
     return out
 
 
-def _openai(record: dict, first_only: bool = False) -> list[tuple[str, str]]:
-    out = []
+def _openai(record: dict, first_only: bool = False) -> list[Turn]:
+    out, calls = [], CallLog()
     for i, msg in enumerate(_turn_list(record, "messages")):
         if not isinstance(msg, dict):
             raise Malformed("wrong_type", f"messages[{i}] must be an object")
         if "role" not in msg:
             raise Malformed("missing_field", f"messages[{i}] has no 'role'")
-        content = msg.get("content")
-        if content is None and msg.get("tool_calls"):
-            content = orjson.dumps(msg["tool_calls"]).decode()
-        out.append((_role(msg["role"], f"messages[{i}].role"), _text(content, f"messages[{i}].content")))
-        if first_only and out[-1][0] == "user":
+        role = ROLE_NAMES[_speaker(msg["role"], f"messages[{i}].role")]
+        extras = _openai_extras(msg, role, calls, f"messages[{i}]") if len(msg) > 2 else None
+        out.append((role, _text(msg.get("content"), f"messages[{i}].content"), extras))
+        if first_only and role == "user":
             break
     return out
 
 
-def _alpaca(record: dict) -> list[tuple[str, str]]:
+def _openai_extras(msg: dict, role: str, calls: CallLog, where: str) -> dict | None:
+    extras = {}
+    if role == "assistant":
+        if msg.get("tool_calls"):
+            extras["tool_calls"] = calls.openai_calls(msg["tool_calls"], f"{where}.tool_calls")
+        elif msg.get("function_call"):
+            extras["tool_calls"] = calls.glaive_calls(msg["function_call"], f"{where}.function_call")
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            extras["reasoning_content"] = reasoning
+    if role == "tool":
+        extras.update(calls.result_fields(msg.get("tool_call_id"), msg.get("name")))
+    elif isinstance(msg.get("name"), str) and msg["name"]:
+        extras["name"] = msg["name"]
+    return extras or None
+
+
+def _alpaca(record: dict) -> list[Turn]:
     instruction = _text(record.get("instruction"), "instruction")
     extra = _text(record.get("input"), "input")
     prompt = f"{instruction}\n\n{extra}" if instruction.strip() and extra.strip() else (instruction + extra)
-    turns = [("system", _text(record["system"], "system"))] if record.get("system") else []
-    turns.append(("user", prompt))
-    return turns
+    return _system_field(record) + [("user", prompt, None)]
 
 
-def _prompt_only(record: dict) -> list[tuple[str, str]]:
-    turns = [("system", _text(record["system"], "system"))] if record.get("system") else []
+def _prompt_only(record: dict) -> list[Turn]:
+    turns = _system_field(record)
     if "turns" in record:
         user_turns = record["turns"]
         if not isinstance(user_turns, list):
             raise Malformed("wrong_type", f"'turns' must be a list, got {type(user_turns).__name__}")
-        return turns + [("user", _text(t, f"turns[{i}]")) for i, t in enumerate(user_turns)]
+        for i, text in enumerate(user_turns):
+            turns += [MISSING_ANSWER] if i else []
+            turns.append(("user", _text(text, f"turns[{i}]"), None))
+        return turns
     for key in PROMPT_KEYS:
         if key in record:
-            return turns + [("user", _text(record[key], key))]
+            return turns + [("user", _text(record[key], key), None)]
     raise Malformed("missing_field", "no prompt field")
-
-
-def tools_of(record: Any) -> str | None:
-    """A record's tool declaration as a JSON string (ShareGPT/LLaMA-Factory keep it as a string), or None."""
-    if not isinstance(record, dict):
-        return None
-    tools = record.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = orjson.loads(tools)
-        except orjson.JSONDecodeError:
-            raise Malformed("invalid_tools", "'tools' is a string but not JSON") from None
-    if not tools:
-        return None
-    if not isinstance(tools, list):
-        raise Malformed("wrong_type", f"'tools' must be a list, got {type(tools).__name__}")
-    return orjson.dumps(tools).decode()
-
-
-def to_prompt(turns: list[tuple[str, str]], mode: str = "first") -> list[dict[str, str]]:
-    """The conversation the target should answer: leading non-user turns other than system are dropped,
-    consecutive turns of one role merged; `first` ends at the first user turn, `last` at the last one.
-    Returns [] when there is no user turn."""
-    merged: list[list[str]] = []
-    seen_user = False
-    for role, text in turns:
-        if not seen_user and role in ("assistant", "tool"):
-            continue  # a conversation that starts with the assistant (a split chunk): drop those turns
-        if seen_user and mode == "first":
-            break  # the first user turn ends the prompt; a following user turn is a separate follow-up
-        seen_user = seen_user or role == "user"
-        if merged and merged[-1][0] == role:
-            merged[-1][1] = f"{merged[-1][1]}\n\n{text}" if merged[-1][1] and text else merged[-1][1] + text
-        else:
-            merged.append([role, text])
-    users = [i for i, (role, _) in enumerate(merged) if role == "user"]
-    if not users:
-        return []
-    end = users[0] if mode == "first" else users[-1]
-    return [{"role": role, "content": text} for role, text in merged[: end + 1]]

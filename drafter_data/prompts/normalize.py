@@ -18,19 +18,25 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
 from drafter_data.contract import MESSAGE, PROMPTS
-from drafter_data.prompts import formats
+from drafter_data.errors import StageError
+from drafter_data.prompts import formats, tools
 from drafter_data.prompts.accounts import Accounts
-from drafter_data.prompts.records import BadRecord, clip, is_json_list, line_ranges, read_records
+from drafter_data.prompts.malformed import Malformed
+from drafter_data.prompts.prompt import to_prompt
+from drafter_data.prompts.records import DEFAULT_MAX_RECORD_BYTES, BadRecord, is_json_list, line_ranges, raw_text, \
+    read_records
 from drafter_data.prompts.selection import BATCH, prompt_digest
 
+FLUSH_CHARS = 8 << 20  # a unit's buffered prompt text is written out at this size (or every BATCH rows)
 _token_counter = {}  # per worker process: the target's tokenizer, loaded once when max_prompt_tokens is set
 
 
-def plan_units(sources: list[dict], split_bytes: int) -> list[dict]:
+def plan_units(sources: list[dict], split_bytes: int, max_record_bytes: int) -> list[dict]:
     """Pass 1's units of work, in source order: a JSON list is one unit, a large JSONL file several line ranges."""
     units = []
     for src_index, src in enumerate(sources):
-        ranges = [(0, None)] if is_json_list(src["path"]) else line_ranges(src["path"], split_bytes)
+        json_list = is_json_list(src["path"], max_record_bytes)
+        ranges = [(0, None)] if json_list else line_ranges(src["path"], split_bytes)
         for start, end in ranges:
             units.append({"unit": len(units), "source_index": src_index, **src, "path": str(src["path"]),
                           "start": start, "end": end})
@@ -41,7 +47,7 @@ def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts) ->
     """Pass 1 over every source. Returns (digests as an S16 array, source index per candidate) for the rows written
     to tmp_dir, in source order; counts and rejects go to acc."""
     pcfg = cfg.prepare
-    units = plan_units(sources, max(1, int(float(pcfg.get("split_mb") or 64) * 2**20)))
+    units = plan_units(sources, max(1, int(float(pcfg.get("split_mb") or 64) * 2**20)), max_record_bytes(pcfg))
     plain = OmegaConf.to_container(pcfg, resolve=True)
     target = OmegaConf.to_container(cfg.target, resolve=True) if pcfg.get("max_prompt_tokens") else None
     args = [(u, plain, str(tmp_dir), target) for u in units]
@@ -76,60 +82,80 @@ def _merge(units: list[dict], results: list[dict], tmp_dir: Path, acc: Accounts)
             np.concatenate(source_of) if source_of else np.zeros(0, dtype=np.uint16))
 
 
+def max_record_bytes(pcfg) -> int:
+    return int(pcfg.get("max_record_bytes") or DEFAULT_MAX_RECORD_BYTES)
+
+
 def normalize_unit(unit: dict, pcfg: dict, tmp_dir: str, target: dict | None) -> dict:
     """Pass 1 over one unit (runs in a worker): candidates into tmp_dir shards named to sort in unit order, rejects
     into a part file with lines and indexes relative to the unit's start. Returns the digests and the counts."""
     out = UnitOutput(unit, Path(tmp_dir))
     counter = _prompt_token_counter(target) if pcfg.get("max_prompt_tokens") else None
     reader_stats: dict = {}
+    records = read_records(Path(unit["path"]), unit["start"], unit["end"], reader_stats, max_record_bytes(pcfg))
     with out:
-        for item in read_records(Path(unit["path"]), unit["start"], unit["end"], reader_stats):
+        for item in records:
             out.read += 1
-            if isinstance(item, BadRecord):
+            if type(item) is BadRecord:
                 out.reject(item.line, item.index, item.reason, item.detail, item.raw)
                 continue
-            line, index, record = item
+            line, index, record, raw = item
             try:
-                messages, tools, digest = normalize_record(record, unit, pcfg, counter)
-            except formats.Malformed as exc:
-                out.reject(line, index, exc.args[0], exc.args[1], _raw(record))
-                continue
-            out.add(digest, messages, tools)
+                out.add(*normalize_record(record, raw, unit, pcfg, counter))
+            except Malformed as exc:
+                out.reject(line, index, exc.args[0], exc.args[1], raw_text(raw))
+            except StageError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a record must never stop the run; counted and listed
+                out.reject(line, index, "unexpected_error", f"{type(exc).__name__}: {exc}", raw_text(raw))
     return {"unit": unit["unit"], "digests": bytes(out.digests), "read": out.read, "dropped": out.dropped,
             "lines": reader_stats.get("lines", 0), "records": reader_stats.get("records", 0)}
 
 
-def normalize_record(record, unit: dict, pcfg: dict, count_tokens=None) -> tuple[list[dict], str | None, bytes]:
-    """One parsed record -> (messages, tools JSON, digest); raises Malformed(reason, detail) for a record that is
-    malformed or unusable (empty, no user turn, too long, ...)."""
+def normalize_record(record, raw: bytes, unit: dict, pcfg: dict, count_tokens=None) -> tuple:
+    """One parsed record -> (digest, messages, tools JSON, message_extras JSON, turns); raises Malformed(reason,
+    detail) for a record that is malformed or unusable (empty, no user turn, too long, ...)."""
     fields = unit["fields"]
     if fields and isinstance(record, dict):  # e.g. {prompt: query_text}: the file's own key names
         record = {**record, **{ours: record[theirs] for ours, theirs in fields.items() if theirs in record}}
-    turns_mode = pcfg.get("turns", "first")
-    turns = formats.to_turns(record, unit["format"], first_only=turns_mode == "first")
-    tools = formats.tools_of(record)
-    messages = formats.to_prompt(turns, turns_mode)
-    max_chars = pcfg.get("max_prompt_chars")
+    mode = pcfg.get("turns") or "first"
+    turns = formats.to_turns(record, unit["format"], first_only=mode == "first")
     if not turns:
-        raise formats.Malformed("empty_conversation", "")
-    if not messages:
-        raise formats.Malformed("no_user_turn", "")
-    if not messages[-1]["content"].strip():
-        raise formats.Malformed("empty_prompt", "")
-    if max_chars and sum(len(m["content"]) for m in messages) > max_chars:
-        raise formats.Malformed("too_long", "")
-    try:
-        digest = prompt_digest(messages, tools)
-    except orjson.JSONEncodeError:
-        raise formats.Malformed("invalid_unicode", "lone surrogate in a text field") from None
-    if count_tokens is not None and count_tokens(messages, orjson.loads(tools) if tools else None) > \
+        raise Malformed("empty_conversation", "")
+    prompt = to_prompt(turns, mode)
+    if prompt is None:
+        raise Malformed("no_user_turn", "")
+    messages, extras, n_turns = prompt
+    _check_length(messages, mode, pcfg.get("max_prompt_chars"))
+    declared = tools.declarations(record)
+    if declared is not None or extras is not None:  # numbers are written back: none may be rounded
+        tools.check_integers(raw, "the record")
+    tools_json = tools.dumps_exact(declared, "invalid_tools", "'tools'") if declared else None
+    extras_json = tools.dumps_exact(extras, "invalid_tool_call", "the messages' tool fields") if extras else None
+    digest = prompt_digest(messages, tools_json, extras_json)
+    if count_tokens is not None and count_tokens(_with_extras(messages, extras), declared) > \
             pcfg["max_prompt_tokens"]:
-        raise formats.Malformed("too_many_tokens", "")
-    return messages, tools, digest
+        raise Malformed("too_many_tokens", "")
+    return digest, messages, tools_json, extras_json, n_turns
+
+
+def _check_length(messages: list[dict], mode: str, max_chars) -> None:
+    answered = [m for m in messages if m["role"] == "user"] if mode == "all" else messages[-1:]
+    if any(not m["content"].strip() for m in answered):
+        raise Malformed("empty_prompt", "")
+    if max_chars and sum(len(m["content"]) for m in messages) > max_chars:
+        raise Malformed("too_long", "")
+
+
+def _with_extras(messages: list[dict], extras: list | None) -> list[dict]:
+    if extras is None:
+        return messages
+    return [{**m, **e} if e else m for m, e in zip(messages, extras)]
 
 
 class UnitOutput:
-    """One unit's candidates (buffered as flat Arrow columns, flushed every BATCH rows) and rejects."""
+    """One unit's candidates (buffered as flat Arrow columns, flushed every BATCH rows or FLUSH_CHARS of text) and
+    rejects."""
 
     def __init__(self, unit: dict, tmp: Path):
         self.name, self.path, self.n, self.tmp = unit["name"], unit["path"], unit["unit"], tmp
@@ -148,22 +174,32 @@ class UnitOutput:
         self._rejects.close()
 
     def _reset(self) -> None:
-        self.ids, self.tools, self.offsets, self.roles, self.contents = [], [], [0], [], []
+        self.ids, self.tools, self.extras, self.turns = [], [], [], []
+        self.offsets, self.roles, self.contents, self.chars = [0], [], [], 0
 
-    def reject(self, line: int, index: int, reason: str, detail: str, raw: str | None) -> None:
+    def reject(self, line: int, index: int, reason: str, detail: str, raw: str) -> None:
         self.dropped[reason] += 1
-        self._rejects.write(orjson.dumps({"source": self.name, "path": str(self.path), "line": line, "index": index,
-                                          "reason": reason, "detail": detail, "record": raw}) + b"\n")
+        entry = {"source": self.name, "path": str(self.path), "line": line, "index": index, "reason": reason,
+                 "detail": detail, "record": raw}
+        try:
+            self._rejects.write(orjson.dumps(entry) + b"\n")
+        except orjson.JSONEncodeError:  # a detail quoting text that is not valid Unicode: escape it
+            safe = {k: v.encode("utf-8", "backslashreplace").decode() if isinstance(v, str) else v
+                    for k, v in entry.items()}
+            self._rejects.write(orjson.dumps(safe) + b"\n")
 
-    def add(self, digest: bytes, messages: list[dict], tools: str | None) -> None:
+    def add(self, digest: bytes, messages: list[dict], tools: str | None, extras: str | None, turns: int) -> None:
         self.digests += digest
         self.ids.append(digest.hex())
         self.tools.append(tools)
+        self.extras.append(extras)
+        self.turns.append(turns)
         for m in messages:
             self.roles.append(m["role"])
             self.contents.append(m["content"])
+            self.chars += len(m["content"])
         self.offsets.append(len(self.roles))
-        if len(self.ids) >= BATCH:
+        if len(self.ids) >= BATCH or self.chars >= FLUSH_CHARS:
             self.flush()
 
     def flush(self) -> None:
@@ -174,7 +210,8 @@ class UnitOutput:
             [pa.array(self.roles, pa.string()), pa.array(self.contents, pa.string())], fields=list(MESSAGE)))
         n = len(self.ids)
         table = pa.table([pa.array(self.ids, pa.string()), pa.array([self.name] * n, pa.string()), messages,
-                          pa.array(self.tools, pa.string()), pa.nulls(n, pa.string()), pa.nulls(n, pa.int32())],
+                          pa.array(self.tools, pa.string()), pa.array(self.extras, pa.string()),
+                          pa.array(self.turns, pa.int32())],
                          schema=PROMPTS)
         pq.write_table(table, self.tmp / f"pass1-{self.n:05d}-{self.shard:05d}.parquet", compression="zstd")
         self.shard += 1
@@ -191,10 +228,3 @@ def _prompt_token_counter(target: dict):
         kwargs = chat_template_kwargs(target["thinking_kwarg"], True, target.get("template_kwargs"))
         _token_counter["counter"] = prompt_token_counter(OmegaConf.create(target), kwargs)
     return _token_counter["counter"]
-
-
-def _raw(record) -> str | None:
-    try:
-        return clip(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS).decode()) if record is not None else ""
-    except orjson.JSONEncodeError:  # e.g. a lone surrogate: the reject says why, the record cannot be written
-        return None

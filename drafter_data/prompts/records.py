@@ -1,20 +1,28 @@
-"""Streams raw records out of prompt files (JSONL, or one JSON list), one at a time, with where each came from.
+"""Streams raw records out of prompt files, one at a time, with where each came from: JSONL, or JSON lists (one or
+several, possibly followed by JSONL lines).
 
-A record that cannot be parsed is yielded as a `BadRecord` (with line and reason) instead of raising, so one broken
-line never stops a multi-million-record run. A file that cannot be opened raises `StageError` naming the file.
+A record that cannot be read is yielded as a `BadRecord` (line, index, reason) instead of raising, so one broken line
+never stops a multi-million-record run; no record is ever held beyond `max_record_bytes`. A file that cannot be
+opened raises `StageError` naming the file.
+
+Which container a file is: JSONL, unless its first non-blank line starts with `[` and is not itself a complete JSON
+value followed by more lines (a JSONL file whose first record is an array stays JSONL).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator, Union
 
 import orjson
 
 from drafter_data.errors import StageError
 
-_READ_CHUNK = 1 << 20
+BOM = b"\xef\xbb\xbf"
+DEFAULT_MAX_RECORD_BYTES = 16 << 20
+RAW_LIMIT = 4096  # characters of a rejected record kept in the rejects file
+_SKIP_CHUNK = 1 << 20
+_MAX_BLANK_LINES_SNIFFED = 10_000
 
 
 @dataclass(slots=True)
@@ -26,175 +34,155 @@ class BadRecord:
     raw: str
 
 
-RAW_LIMIT = 4096  # characters of a rejected record kept in the rejects file
+# (line, index, parsed record, the record's bytes), or a BadRecord
+Item = Union[tuple[int, int, object, bytes], BadRecord]
 
 
 def clip(text: str, limit: int = RAW_LIMIT) -> str:
     return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more chars]"
 
 
-def _raw_text(raw: bytes) -> str:
-    return clip(raw.decode("utf-8", errors="backslashreplace"))
+def raw_text(raw: bytes, total: int | None = None) -> str:
+    """A record's bytes for the rejects file: clipped, invalid UTF-8 shown as escapes; `total` when only a head was
+    kept."""
+    text = clip(raw[: RAW_LIMIT * 4].decode("utf-8", errors="backslashreplace"))
+    if total is not None and total > len(raw):
+        text += f"... [{total} bytes in all]"
+    return text
 
 
-def _parse_error(raw: bytes, exc: Exception) -> tuple[str, str]:
+def parse_error(raw: bytes, exc: Exception) -> tuple[str, str]:
+    """(reason, detail) for bytes orjson could not parse."""
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as err:
         return "invalid_utf8", f"invalid UTF-8 at byte {err.start}"
-    if "surrogate" in str(exc):
-        return "invalid_unicode", str(exc)
-    return "invalid_json", str(exc)
+    message = str(exc)
+    if "surrogate" in message:
+        return "invalid_unicode", message
+    return "invalid_json", message
 
 
-def is_json_list(path: Path) -> bool:
+def open_source(path: Path) -> BinaryIO:
     try:
-        with open(path, "rb") as fh:
-            return fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+        return open(path, "rb")
     except OSError as exc:
         raise StageError(f"cannot open prompt file {path}: {exc.strerror}") from exc
+
+
+def is_json_list(path: Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bool:
+    with open_source(path) as fh:
+        return _sniff_json_list(fh, max_record_bytes)
+
+
+def _sniff_json_list(fh: BinaryIO, max_record_bytes: int) -> bool:
+    first = fh.readline(max_record_bytes + 1)
+    if first.startswith(BOM):
+        first = first[len(BOM):]
+    for _ in range(_MAX_BLANK_LINES_SNIFFED):
+        if first.strip() or not first:
+            break
+        first = fh.readline(max_record_bytes + 1)
+    if not first.lstrip().startswith(b"["):
+        return False
+    if len(first) > max_record_bytes or not first.endswith(b"\n"):
+        return True  # a whole file on one line, or a first line too long to be one record
+    try:
+        orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return True  # `[` opens a list that goes on over the next lines
+    return not _more_content(fh)  # a one-line list is the whole file; with more lines, it is JSONL
+
+
+def _more_content(fh: BinaryIO) -> bool:
+    while chunk := fh.read(_SKIP_CHUNK):
+        if chunk.strip():
+            return True
+    return False
 
 
 def line_ranges(path: Path, split_bytes: int) -> list[tuple[int, int | None]]:
     """A JSONL file cut into byte ranges of about split_bytes that start at line starts (for parallel reading)."""
     size = path.stat().st_size
     bounds = [0]
-    with open(path, "rb") as fh:
+    with open_source(path) as fh:
         while bounds[-1] + split_bytes < size:
             fh.seek(bounds[-1] + split_bytes)
-            fh.readline()
+            _skip_line(fh)
             if fh.tell() >= size:
                 break
             bounds.append(fh.tell())
     return [(a, b) for a, b in zip(bounds, bounds[1:])] + [(bounds[-1], None)]
 
 
-def read_records(path: Path, start: int = 0, end: int | None = None,
-                 stats: dict | None = None) -> Iterator[tuple[int, int, object] | BadRecord]:
-    """Yields (line, index, record) or BadRecord. Lines and indexes count from 1 (from `start`, for a JSONL range).
-    `stats`, if given, receives the number of lines and records read."""
-    try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise StageError(f"cannot open prompt file {path}: {exc.strerror}") from exc
-    with fh:
-        if start == 0 and end is None and is_json_list(path):
-            yield from _json_list_records(fh, path)
+def _skip_line(fh: BinaryIO) -> int:
+    """Reads to the end of the current line without holding it; returns the bytes skipped."""
+    skipped = 0
+    while chunk := fh.readline(_SKIP_CHUNK):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
+
+
+def read_records(path: Path, start: int = 0, end: int | None = None, stats: dict | None = None,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Item]:
+    """Yields (line, index, record, raw) or BadRecord. Lines and indexes count from 1 (from `start`, for a JSONL
+    range). `stats`, if given, receives the number of lines and records read."""
+    from drafter_data.prompts.jsonlist import read_lists
+
+    stats = stats if stats is not None else {}
+    with open_source(path) as fh:
+        if start == 0 and end is None and _sniff_json_list(fh, max_record_bytes):
+            fh.seek(0)
+            tail = yield from read_lists(fh, max_record_bytes, stats)
+            if tail is None:
+                return
+            offset, line, index = tail  # content after the last list's `]`: read as JSONL from there
+            fh.seek(offset)
+            yield from jsonl_records(fh, None, max_record_bytes, stats, line - 1, index)
         else:
             fh.seek(start)
-            yield from _jsonl_records(fh, end, stats if stats is not None else {})
+            yield from jsonl_records(fh, None if end is None else end - start, max_record_bytes, stats)
 
 
-def _jsonl_records(fh, end: int | None, stats: dict) -> Iterator[tuple[int, int, object] | BadRecord]:
-    index = line_no = 0
-    loads = orjson.loads
-    lines = fh if end is None else _lines_until(fh, end)
-    for line_no, raw in enumerate(lines, 1):
-        stats["lines"], stats["records"] = line_no, index
-        if not raw.strip():
+def jsonl_records(fh: BinaryIO, length: int | None, max_record_bytes: int, stats: dict, line_no: int = 0,
+                  index: int = 0) -> Iterator[Item]:
+    """One record per line from fh's position, for `length` bytes (None: to the end); blank lines are skipped.
+    A UTF-8 BOM is dropped from the file's first line; a line over max_record_bytes is skipped without being held."""
+    loads, readline, decode_error = orjson.loads, fh.readline, orjson.JSONDecodeError
+    remaining = float("inf") if length is None else length
+    at_file_start = fh.tell() == 0
+    limit = max_record_bytes + 1
+    while remaining > 0:
+        raw = readline(limit)
+        if not raw:
+            break
+        remaining -= len(raw)
+        line_no += 1
+        if at_file_start:
+            at_file_start = False
+            raw = raw.removeprefix(BOM)
+        if len(raw) == limit and raw[-1] != 10:  # over the limit: skip the rest of the line, never hold it
+            index += 1
+            skipped = _skip_line(fh)
+            remaining -= skipped
+            yield too_large(line_no, index, raw, len(raw) + skipped, max_record_bytes)
             continue
-        index += 1
-        stats["records"] = index
         try:
-            yield line_no, index, loads(raw)
-        except orjson.JSONDecodeError as exc:
-            reason, detail = _parse_error(raw, exc)
-            yield BadRecord(line_no, index, reason, detail, _raw_text(raw.rstrip(b"\r\n")))
-
-
-def _lines_until(fh, end: int):
-    while fh.tell() < end:
-        line = fh.readline()
-        if not line:
-            return
-        yield line
-
-
-def _json_list_records(fh, path: Path) -> Iterator[tuple[int, int, object] | BadRecord]:
-    """Incremental parse of `[rec, rec, ...]` so a multi-GB list never sits in memory at once.
-
-    Bytes are decoded with surrogateescape: invalid UTF-8 inside one element rejects that element only.
-    """
-    decoder = json.JSONDecoder()
-    buf = ""
-    pos = 0
-    line = 1
-    index = 0
-    eof = False
-    started = False
-
-    def fill() -> bool:
-        nonlocal buf, pos, eof
-        chunk = fh.read(_READ_CHUNK)
-        if not chunk:
-            eof = True
-            return False
-        buf = buf[pos:] + chunk.decode("utf-8", errors="surrogateescape")
-        pos = 0
-        return True
-
-    def skip(chars: str) -> None:
-        nonlocal pos, line
-        while True:
-            start = pos
-            n = len(buf)
-            while pos < n and buf[pos] in chars:
-                pos += 1
-            line += buf.count("\n", start, pos)
-            if pos < n or eof or not fill():
-                return
-
-    fill()
-    skip("\ufeff \t\r\n")
-    if not buf.startswith("[", pos):
-        raise StageError(f"{path}: expected a JSON list")
-    pos += 1
-    while True:
-        skip(" \t\r\n")
-        if pos >= len(buf):
-            raise StageError(f"{path}: the JSON list ends without ']' (truncated file?) at line {line}")
-        if buf[pos] == "]":
-            return
-        if started:
-            if buf[pos] != ",":
-                yield _rest_of_list(buf, pos, fh, line, index + 1, "expected ',' between list elements")
-                return
-            pos += 1
-            skip(" \t\r\n")
-        started = True
-        index += 1
-        while True:
-            try:
-                record, end = decoder.raw_decode(buf, pos)
-                break
-            except json.JSONDecodeError as exc:
-                # An element cut by the chunk boundary: read more and try again; a real error only at EOF.
-                if not eof and fill():
-                    continue
-                yield _rest_of_list(buf, pos, fh, line, index, f"invalid JSON: {exc.msg}")
-                return
-        element_line = line
-        line += buf.count("\n", pos, end)
-        text = buf[pos:end]
-        pos = end
-        if _has_surrogates(text):
-            raw = text.encode("utf-8", errors="surrogateescape")
-            yield BadRecord(element_line, index, "invalid_utf8", "invalid UTF-8 bytes in this element", _raw_text(raw))
+            record = loads(raw)
+        except decode_error as exc:
+            if not raw.strip():
+                continue
+            index += 1
+            reason, detail = parse_error(raw, exc)
+            yield BadRecord(line_no, index, reason, detail, raw_text(raw.rstrip(b"\r\n")))
             continue
-        yield element_line, index, record
+        index += 1
+        yield line_no, index, record, raw
+    stats["lines"], stats["records"] = line_no, index
 
 
-def _has_surrogates(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _rest_of_list(buf: str, pos: int, fh, line: int, index: int, reason: str) -> BadRecord:
-    """After a syntax error the rest of a JSON list cannot be split reliably: it is set aside as one reject."""
-    rest = buf[pos:] + fh.read().decode("utf-8", errors="surrogateescape")
-    raw = rest.encode("utf-8", errors="surrogateescape")
-    return BadRecord(line, index, "invalid_json", f"{reason}; the rest of the list ({len(raw)} bytes) is set aside",
-                     _raw_text(raw))
+def too_large(line: int, index: int, head: bytes, size: int, max_record_bytes: int) -> BadRecord:
+    return BadRecord(line, index, "too_large", f"the record has {size} bytes, over prepare.max_record_bytes="
+                     f"{max_record_bytes}", raw_text(head, size))

@@ -16,9 +16,13 @@ from drafter_data.prompts.accounts import Accounts
 BATCH = 8192
 
 
-def prompt_digest(messages: list[dict], tools: str | None) -> bytes:
-    """The prompt's identity: a hash of its normalized messages (and tools, when it declares any)."""
-    payload = orjson.dumps(messages) if tools is None else orjson.dumps([messages, tools])
+def prompt_digest(messages: list[dict], tools: str | None = None, extras: str | None = None) -> bytes:
+    """The prompt's identity: a hash of its normalized messages (and of its tools and message extras, when it has
+    any; a prompt with neither hashes exactly as before they existed)."""
+    if extras is not None:
+        payload = orjson.dumps([messages, tools, extras])
+    else:
+        payload = orjson.dumps(messages) if tools is None else orjson.dumps([messages, tools])
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
