@@ -20,9 +20,12 @@ from drafter_data.errors import StageError
 from drafter_data.prompts import formats
 from drafter_data.prompts.accounts import Accounts
 from drafter_data.prompts.normalize import normalize_sources
+from drafter_data.prompts.outputs import fresh_output_dir
 from drafter_data.prompts.prompt import MODES
 from drafter_data.prompts.selection import choose, write_chosen
 from drafter_data.tracking import preload, stage_run
+
+OUTPUT_MARKERS = ("stats.json", "rejects.jsonl", "prompts-*.parquet", ".pass1")
 
 
 def main(cfg) -> int:
@@ -31,7 +34,8 @@ def main(cfg) -> int:
     sources = check_sources(pcfg.sources)
     if (pcfg.get("turns") or "first") not in MODES:
         raise StageError(f"prepare.turns must be one of {', '.join(MODES)}, got {pcfg.get('turns')!r}")
-    out_dir = fresh_output(Path(pcfg.output))
+    inputs = {f"the prompt file of source {s['name']!r}": s["path"] for s in sources}
+    out_dir = fresh_output_dir(Path(pcfg.output), "prepare.output", inputs, OUTPUT_MARKERS)
     tmp_dir = out_dir / ".pass1"
     tmp_dir.mkdir()
     acc = Accounts([s["name"] for s in sources], out_dir / "rejects.jsonl")
@@ -69,13 +73,6 @@ def check_sources(sources) -> list[dict]:
         fields = dict(src.get("fields") or {})
         checked.append({"name": src["name"], "path": path, "format": fmt, "quota": src.get("quota"), "fields": fields})
     return checked
-
-
-def fresh_output(out_dir: Path) -> Path:
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    return out_dir
 
 
 def print_summary(stats: dict, out_dir: Path) -> None:
