@@ -125,6 +125,13 @@ def stage_runs(runs: list, stage: str) -> str:
     return "\n".join(lines) or f"no runs of stage {stage}"
 
 
+def runs_table_url(uri: str, experiment_id: str) -> str:
+    """The UI page of the runs table. MLflow 3.17 opens an experiment by the browser's workflow-type switch (default:
+    GenAI), not by the experiment's kind tag; workflowType=machine_learning in the URL opens the runs table."""
+    base = redact(uri).rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
 def main(argv=None) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -151,6 +158,8 @@ def main(argv=None) -> None:
     newest = list(group_by_pipeline_run(runs).items())[:len(args.pipeline_run) or args.last]
     groups = dict(reversed(newest))  # oldest on the left: read left to right in the order they ran
     print(side_by_side(groups) if groups else f"no runs in experiment {args.experiment!r} at {redact(uri)}")
+    ui = "" if uri.startswith(("http://", "https://")) else " (with `mlflow ui` on port 5000)"
+    print(f"\nruns table in the MLflow UI{ui}: {runs_table_url(uri, exp.experiment_id)}")
 
 
 if __name__ == "__main__":
