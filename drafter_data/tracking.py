@@ -217,6 +217,7 @@ class StageRun:
         self._client = None
         self._calls: queue.Queue = queue.Queue()
         self._pending: list[tuple[str, float, int, int]] = []
+        self._pending_lock = threading.Lock()  # stages may log from a thread of their own too
         self._last_flush = time.monotonic()
         self._reported = False
         self._thread = threading.Thread(target=self._work, name=f"mlflow-{stage}", daemon=True)
@@ -226,8 +227,10 @@ class StageRun:
     def metrics(self, values: dict[str, float], step: int | None = None, flush_every_s: float = 10.0) -> None:
         try:
             now_ms = int(time.time() * 1000)
-            self._pending += [(k, float(v), now_ms, step or 0) for k, v in values.items() if v is not None]
-            del self._pending[:-MAX_PENDING_METRICS]
+            batch = [(k, float(v), now_ms, step or 0) for k, v in values.items() if v is not None]
+            with self._pending_lock:
+                self._pending += batch
+                del self._pending[:-MAX_PENDING_METRICS]
             if time.monotonic() - self._last_flush >= flush_every_s:
                 self._send_pending()
         except Exception as exc:  # a value that is not a number must not stop the stage either
@@ -260,8 +263,9 @@ class StageRun:
         self._calls.put((fn, args))
 
     def _send_pending(self) -> None:
-        if self._pending:
+        with self._pending_lock:
             batch, self._pending = self._pending, []
+        if batch:
             self._submit(self._log_metrics, batch)
         self._last_flush = time.monotonic()
 
