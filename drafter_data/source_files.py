@@ -46,6 +46,7 @@ class StatCache:
             self.entries = json.loads(path.read_text())
         except (OSError, ValueError):
             self.entries = {}
+        self.hashed_files = 0
         self.hashed_bytes = 0
 
     def md5(self, path: Path) -> str:
@@ -56,6 +57,7 @@ class StatCache:
         if entry and entry[:3] == stamp:
             return entry[3]
         md5 = file_md5(path)
+        self.hashed_files += 1
         self.hashed_bytes += st.st_size
         if time.time() - st.st_mtime_ns / 1e9 > RACY_S:
             self.entries[key] = [*stamp, md5]

@@ -24,8 +24,8 @@ def main(cfg) -> int:
     hashes = source_hashes(cfg.prepare.sources, cache)
     cache.save()
     write_hashes(hashes, OUTPUT)
-    print(f"sources: {len(hashes)} prompt files, {cache.hashed_bytes / 1e6:.1f} MB hashed (the rest unchanged "
-          f"since their last hash) -> {OUTPUT}", file=sys.stderr)
+    print(f"sources: {len(hashes)} prompt files, {cache.hashed_files} hashed ({cache.hashed_bytes:,} bytes), "
+          f"{len(hashes) - cache.hashed_files} unchanged since their last hash -> {OUTPUT}", file=sys.stderr)
     return 0
 
 
