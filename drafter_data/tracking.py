@@ -34,7 +34,7 @@ EXPERIMENT = "drafter-data"
 STAGES = ("prepare", "assess", "generate", "tokenize")  # the stages that log a run, in pipeline order
 # What MLflow 3 reads as "a training experiment" (custom_model_development is shown as "Machine learning").
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
-# The longest a stage waits for MLflow at an artifact upload or at its end, before going on without it.
+# The longest a stage waits for MLflow (at an artifact upload or at its end) before going on without waiting again.
 WAIT_S = 120.0
 # A run's metrics waiting to be sent are capped (oldest dropped) while the store does not answer.
 MAX_PENDING_METRICS = 100_000
@@ -220,6 +220,7 @@ class StageRun:
         self._pending_lock = threading.Lock()  # stages may log from a thread of their own too
         self._last_flush = time.monotonic()
         self._reported = False
+        self._stalled = False  # MLflow did not answer within WAIT_S once: the stage waits for it no more
         self._thread = threading.Thread(target=self._work, name=f"mlflow-{stage}", daemon=True)
         self._thread.start()
 
@@ -272,7 +273,8 @@ class StageRun:
     def _wait(self) -> None:
         done = threading.Event()
         self._submit(done.set)
-        if not done.wait(WAIT_S):
+        if not self._stalled and not done.wait(WAIT_S):
+            self._stalled = True
             self._report("waiting", TimeoutError(f"no answer in {WAIT_S:.0f} s"))
 
     def _work(self) -> None:

@@ -260,3 +260,38 @@ def test_compare_runs_puts_two_pipeline_runs_side_by_side(mlflow_uri):
     assert rows["tokens made"][-1] == "123,456" and rows["drift rate"][-1] == "0.0125"
     assert "gpu-1:30000 gpu-2:30000" in out.stdout
     assert f"#/experiments/{exp_id}/runs?workflowType=machine_learning" in out.stdout
+
+
+class HangingClient:
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: time.sleep(3600)
+
+
+def test_a_tracking_store_that_never_answers_holds_a_stage_up_once_for_at_most_the_wait(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tracking, "WAIT_S", 0.5)
+    run = tracking.StageRun("assess")
+    run.run_id, run._client = "r1", HangingClient()
+    (tmp_path / "a.json").write_text("{}")
+    started = time.monotonic()
+    for _ in range(5):
+        run.artifact(tmp_path / "a.json")
+    run.close("FINISHED")
+    assert time.monotonic() - started < 2.0
+    assert capsys.readouterr().err.count("warning: MLflow (waiting)") == 1
+
+
+def test_a_stage_that_fails_leaves_a_failed_run_that_started_with_its_process(mlflow_uri):
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    name = f"failing-{os.getpid()}-{time.time_ns()}"
+    config = OmegaConf.merge(cfg(), {"mlflow": {"tracking_uri": mlflow_uri, "experiment": name}})
+    with pytest.raises(RuntimeError):
+        with tracking.stage_run("tokenize", config) as run:
+            run.metrics({"rows": 3})
+            raise RuntimeError("the stage's own error goes through")
+    client = MlflowClient(mlflow_uri)
+    [logged] = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    assert logged.info.status == "FAILED" and logged.data.metrics["rows"] == 3
+    assert logged.info.start_time == int(psutil.Process().create_time() * 1000)
+    assert logged.info.run_name == "tokenize · kimi-k2.6 · thinking=on"
