@@ -219,6 +219,7 @@ class StageRun:
         self._pending: list[tuple[str, float, int, int]] = []
         self._pending_lock = threading.Lock()  # stages may log from a thread of their own too
         self._last_flush = time.monotonic()
+        self._last_step = 0
         self._reported = False
         self._stalled = False  # MLflow did not answer within WAIT_S once: the stage waits for it no more
         self._thread = threading.Thread(target=self._work, name=f"mlflow-{stage}", daemon=True)
@@ -228,7 +229,12 @@ class StageRun:
     def metrics(self, values: dict[str, float], step: int | None = None, flush_every_s: float = 10.0) -> None:
         try:
             now_ms = int(time.time() * 1000)
-            batch = [(k, float(v), now_ms, step or 0) for k, v in values.items() if v is not None]
+            if step is not None:
+                self._last_step = max(self._last_step, int(step))
+            # A value without a step is a summary: logged at the last step so far, it is the value MLflow shows
+            # (the one at the highest step), not the last of the live values logged while the stage ran.
+            step = self._last_step if step is None else int(step)
+            batch = [(k, float(v), now_ms, step) for k, v in values.items() if v is not None]
             with self._pending_lock:
                 self._pending += batch
                 del self._pending[:-MAX_PENDING_METRICS]

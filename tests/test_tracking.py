@@ -288,10 +288,13 @@ def test_a_stage_that_fails_leaves_a_failed_run_that_started_with_its_process(ml
     config = OmegaConf.merge(cfg(), {"mlflow": {"tracking_uri": mlflow_uri, "experiment": name}})
     with pytest.raises(RuntimeError):
         with tracking.stage_run("tokenize", config) as run:
-            run.metrics({"rows": 3})
+            run.metrics({"rows_per_s": 7.0}, step=5)  # live values while the stage runs
+            time.sleep(0.01)
+            run.metrics({"rows": 3, "rows_per_s": 2.0})  # the summary: what the UI and compare_runs must show
             raise RuntimeError("the stage's own error goes through")
     client = MlflowClient(mlflow_uri)
     [logged] = client.search_runs([client.get_experiment_by_name(name).experiment_id])
     assert logged.info.status == "FAILED" and logged.data.metrics["rows"] == 3
+    assert logged.data.metrics["rows_per_s"] == 2.0
     assert logged.info.start_time == int(psutil.Process().create_time() * 1000)
     assert logged.info.run_name == "tokenize · kimi-k2.6 · thinking=on"
