@@ -1,26 +1,48 @@
-"""One chat completion from an OpenAI-compatible server, streamed or not, with the reasoning read in all three
-conventions (`reasoning_content`, `reasoning`, inline `<think>` tags)."""
+"""One chat completion from an OpenAI-compatible server, streamed or not: the reasoning read in all three
+conventions (`reasoning_content`, `reasoning`, inline `<think>` tags), tool calls in OpenAI's form, and the exact
+token ids when the spec asks for them (checked against the server's usage).
+
+Only a real ending is a completion: `stop`, `length` or `tool_calls`. Anything else (an engine's `abort`, `error`,
+no finish_reason at all) raises, so the caller retries instead of storing a cut answer.
+"""
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx2
 import openai
 from openai import AsyncOpenAI
 
-from drafter_data.server.faults import TruncatedStream
+from drafter_data.server.faults import KEY_ENV_EXTENSION, NotACompletion, TruncatedStream
 from drafter_data.server.request import RequestSpec
+from drafter_data.server.token_ids import IdCollector, id_method
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+REAL_ENDINGS = ("stop", "length", "tool_calls")
 
 
 def make_client(base_url: str, key: str, concurrency: int, timeout_s: float) -> AsyncOpenAI:
+    """key: from endpoints.api_key, which remembers its variable's name: a rejected key is then reported by that
+    name (never by value)."""
     # The pool must allow `concurrency` connections, or it silently caps the requests in flight.
     limits = httpx2.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=httpx2.Timeout(timeout_s, connect=10.0))
+    http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=httpx2.Timeout(timeout_s, connect=10.0),
+                                          event_hooks={"request": [_key_source_tag(key)]})
     # Retries are ours (they must also cover truncated streams and count toward the run's statistics).
     return AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=http)
+
+
+def _key_source_tag(key: str):
+    name = getattr(key, "env_name", None)
+    source = None if name is None else (name, bool(getattr(key, "present", False)))
+
+    async def tag(request: httpx2.Request) -> None:
+        if source is not None:
+            request.extensions[KEY_ENV_EXTENSION] = source
+
+    return tag
 
 
 @dataclass
@@ -35,9 +57,9 @@ class Completion:
     latency_s: float = 0.0
     chunks: int = 0
     token_times: list[float] | None = None  # arrival of each chunk with output (assess's steady-window rates)
-    tool_calls: list[dict] | None = None  # OpenAI form, as the server returned them
-    prompt_token_ids: list[int] | None = None  # as the server tokenized the prompt, when it says
-    completion_token_ids: list[int] | None = None  # the sampled ids, when the server returns them
+    tool_calls: list[dict] | None = None  # OpenAI form: {"id", "type": "function", "function": {name, arguments}}
+    prompt_token_ids: list[int] | None = None  # as the server tokenized the prompt, when asked for and whole
+    completion_token_ids: list[int] | None = None  # the sampled ids, when asked for and whole
 
 
 def split_inline_reasoning(content: str) -> tuple[str | None, str]:
@@ -57,60 +79,134 @@ def extra_field(obj, name: str):
     return value
 
 
-def _finish(reasoning_parts, content_parts, finish_reason, usage, thinking, t0, ttft, chunks,
-            token_times=None) -> Completion:
-    reasoning = "".join(reasoning_parts) if reasoning_parts else None
-    content = "".join(content_parts)
-    if reasoning is None and thinking:
-        reasoning, content = split_inline_reasoning(content)
-    length_in = None
-    if finish_reason == "length":
-        length_in = "content" if content else ("reasoning" if reasoning else "content")
-    return Completion(reasoning=reasoning, content=content, finish_reason=finish_reason,
-                      prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
-                      completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
-                      length_stop_in=length_in, ttft_s=ttft, latency_s=time.monotonic() - t0, chunks=chunks,
-                      token_times=token_times)
+class ToolCalls:
+    """Tool calls as they arrive: whole (a message's tool_calls) or as stream fragments merged by index."""
+
+    def __init__(self):
+        self.calls: dict[int, dict] = {}
+
+    def add(self, fragments) -> None:
+        for position, fragment in enumerate(fragments or []):
+            index = getattr(fragment, "index", None)
+            call = self.calls.setdefault(position if index is None else int(index),
+                                         {"id": None, "type": "function", "function": {"name": None,
+                                                                                       "arguments": ""}})
+            call["id"] = call["id"] or getattr(fragment, "id", None)
+            function = getattr(fragment, "function", None)
+            if function is not None:
+                call["function"]["name"] = call["function"]["name"] or getattr(function, "name", None)
+                call["function"]["arguments"] += _arguments_text(getattr(function, "arguments", None))
+
+    def as_list(self) -> list[dict] | None:
+        return [self.calls[i] for i in sorted(self.calls)] or None
+
+
+def _arguments_text(arguments) -> str:
+    if arguments is None:
+        return ""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+@dataclass
+class Answer:
+    """What has arrived of one answer, streamed or whole."""
+
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    tool_calls: ToolCalls = field(default_factory=ToolCalls)
+    finish_reason: str | None = None
+    usage: object = None
+    ttft: float | None = None
+    chunks: int = 0
+    times: list[float] | None = None
+
+    def completion(self, thinking: bool, t0: float, streamed: bool) -> Completion:
+        """The Completion, if this answer really ended (stop, length, tool_calls); else it raises."""
+        if self.finish_reason is None:
+            raise TruncatedStream("the stream ended without a finish_reason" if streamed else
+                                  "the response has no finish_reason")
+        if self.finish_reason not in REAL_ENDINGS:
+            raise NotACompletion(f"the server ended the answer with finish_reason {self.finish_reason!r}, "
+                                 f"not stop/length/tool_calls")
+        reasoning = "".join(self.reasoning) if self.reasoning else None
+        content = "".join(self.content)
+        if reasoning is None and thinking:
+            reasoning, content = split_inline_reasoning(content)
+        length_in = None
+        if self.finish_reason == "length":
+            length_in = "content" if content else ("reasoning" if reasoning else "content")
+        return Completion(reasoning=reasoning, content=content, finish_reason=self.finish_reason,
+                          prompt_tokens=int(getattr(self.usage, "prompt_tokens", 0) or 0),
+                          completion_tokens=int(getattr(self.usage, "completion_tokens", 0) or 0),
+                          length_stop_in=length_in, ttft_s=self.ttft, latency_s=time.monotonic() - t0,
+                          chunks=self.chunks, token_times=self.times, tool_calls=self.tool_calls.as_list())
 
 
 async def complete(client: AsyncOpenAI, spec: RequestSpec, messages: list[dict], tools: list | None = None,
                    thinking: bool | None = None, stream: bool = True, record_times: bool = False) -> Completion:
     """One chat completion as `spec` describes it (thinking: this request's mode, the spec's unless given).
-    record_times keeps the arrival time of each chunk with output (assess's steady-window rates)."""
+    record_times keeps the arrival time of each chunk with output (assess's steady-window rates). When the spec
+    asks for token ids by a method that cannot stream them whole, the request is sent unstreamed."""
     thinking = spec.thinking if thinking is None else thinking
     body = spec.body(messages, tools, thinking)
+    method = id_method(spec.token_ids_via)
+    ids = IdCollector(method) if method else None
+    streamed = stream and (method is None or method.streams)
     t0 = time.monotonic()
-    if not stream:
-        resp = await client.chat.completions.create(stream=False, **body)
-        if not resp.choices:
-            raise TruncatedStream("the response has no choices")
-        choice = resp.choices[0]
-        msg = choice.message
-        reasoning = extra_field(msg, "reasoning_content") or extra_field(msg, "reasoning")
-        return _finish([reasoning] if reasoning else [], [msg.content or ""], choice.finish_reason, resp.usage,
-                       thinking, t0, None, 1)
-    reasoning_parts, content_parts = [], []
-    finish_reason, usage, ttft, chunks = None, None, None, 0
-    times = [] if record_times else None
-    stream_resp = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body)
-    async for chunk in stream_resp:
-        chunks += 1
+    if streamed:
+        answer = await _streamed(client, body, ids, t0, record_times)
+    else:
+        answer = await _unstreamed(client, body, ids)
+    done = answer.completion(thinking, t0, streamed)
+    if ids is not None:
+        await ids.fetch_prompt(client, body)
+        done.prompt_token_ids, done.completion_token_ids = ids.checked(done.prompt_tokens, done.completion_tokens)
+    return done
+
+
+async def _unstreamed(client: AsyncOpenAI, body: dict, ids: IdCollector | None) -> Answer:
+    resp = await client.chat.completions.create(stream=False, **body)
+    if not resp.choices:
+        raise TruncatedStream("the response has no choices")
+    choice = resp.choices[0]
+    msg = choice.message
+    reasoning = extra_field(msg, "reasoning_content") or extra_field(msg, "reasoning")
+    answer = Answer(reasoning=[reasoning] if reasoning else [], content=[msg.content or ""],
+                    finish_reason=choice.finish_reason, usage=resp.usage, chunks=1)
+    answer.tool_calls.add(msg.tool_calls)
+    if ids is not None:
+        ids.add(resp)
+    return answer
+
+
+async def _streamed(client: AsyncOpenAI, body: dict, ids: IdCollector | None, t0: float,
+                    record_times: bool) -> Answer:
+    answer = Answer(times=[] if record_times else None)
+    stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body)
+    async for chunk in stream:
+        answer.chunks += 1
         if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            delta = choice.delta
-            piece = extra_field(delta, "reasoning_content") or extra_field(delta, "reasoning")
-            if piece:
-                reasoning_parts.append(piece)
-            if delta.content:
-                content_parts.append(delta.content)
-            if piece or delta.content:
-                if ttft is None:
-                    ttft = time.monotonic() - t0
-                if times is not None:
-                    times.append(time.monotonic())
-            if choice.finish_reason:
-                finish_reason = choice.finish_reason
-    if finish_reason is None:
-        raise TruncatedStream("the stream ended without a finish_reason")
-    return _finish(reasoning_parts, content_parts, finish_reason, usage, thinking, t0, ttft, chunks, times)
+            answer.usage = chunk.usage
+        if ids is not None:
+            ids.add(chunk)
+        for choice in chunk.choices[:1]:
+            _take_delta(answer, choice, t0)
+    return answer
+
+
+def _take_delta(answer: Answer, choice, t0: float) -> None:
+    delta = choice.delta
+    piece = extra_field(delta, "reasoning_content") or extra_field(delta, "reasoning")
+    if piece:
+        answer.reasoning.append(piece)
+    if delta.content:
+        answer.content.append(delta.content)
+    if delta.tool_calls:
+        answer.tool_calls.add(delta.tool_calls)
+    if piece or delta.content or delta.tool_calls:
+        if answer.ttft is None:
+            answer.ttft = time.monotonic() - t0
+        if answer.times is not None:
+            answer.times.append(time.monotonic())
+    if choice.finish_reason:
+        answer.finish_reason = choice.finish_reason

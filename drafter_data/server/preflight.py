@@ -1,61 +1,114 @@
-"""Seconds before the first prompt: is this the server we need? Each failure is one line saying what was tried and
-what to do (server down, wrong port, not an OpenAI API, wrong model name, no chat completions, no reasoning)."""
+"""Seconds before the first prompt: is this the server we need, and what does it offer? Each failure is one line
+saying what was tried and what to do (server down, wrong port, not an OpenAI API, wrong model name, rejected key,
+no chat completions, no reasoning, no token ids with generation.token_ids=on)."""
 from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
 
 import openai
 from openai import AsyncOpenAI
 
 from drafter_data.errors import StageError
 from drafter_data.server.client import complete
-from drafter_data.server.faults import TruncatedStream, call_with_retries, classify, error_message
+from drafter_data.server.endpoints import redact_url
+from drafter_data.server.engine import detect_engine
+from drafter_data.server.faults import (IncompleteTokenIds, TruncatedStream, call_with_retries, classify,
+                                       error_message)
 from drafter_data.server.request import RequestSpec
+from drafter_data.server.token_ids import CANDIDATES, METHODS
 
 PROBE_ATTEMPTS = 5  # the server answered /models: a fault in the probe may be passing (5xx, a dropped stream)
+ID_PROBE_TOKENS = 16  # enough for a short answer to end (and show its stop token), cheap when it does not
+PROBE_MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
-async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, stream: bool) -> None:
-    """The server answers, serves the model, does chat completions, and (thinking on) returns reasoning.
-    Raises StageError otherwise."""
-    served = await _served_models(client, base_url)
+@dataclass(frozen=True)
+class ServerFeatures:
+    """What preflight found: the engine (llama-server, vllm, sglang, unknown) and how to ask it for token ids
+    (a token_ids.METHODS name for spec.with_token_ids; None: no ids, by choice or because none are offered)."""
+
+    engine: str
+    token_ids: str | None
+
+
+async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, stream: bool,
+                    max_backoff_s: float = 10.0) -> ServerFeatures:
+    """The server answers, serves the model, does chat completions, (thinking on) returns reasoning, and (with
+    spec.token_ids on) returns whole token ids. Raises StageError otherwise."""
+    url = redact_url(base_url)
+    served = await _served_models(client, url)
     if served and spec.model not in served:
-        raise StageError(f"model {spec.model!r} is not served at {base_url}; it serves: {', '.join(served)} "
+        raise StageError(f"model {spec.model!r} is not served at {url}; it serves: {', '.join(served)} "
                          f"(set server.model)")
-    probe = spec.with_max_tokens(24)
-    messages = [{"role": "user", "content": "Say hello."}]
+    probe = spec.with_token_ids(None).with_max_tokens(24)
     try:
-        done = await call_with_retries(lambda: complete(client, probe, messages, stream=stream), PROBE_ATTEMPTS)
+        done = await call_with_retries(lambda: complete(client, probe, PROBE_MESSAGES, stream=stream),
+                                       PROBE_ATTEMPTS, max_backoff_s=max_backoff_s)
     except Exception as exc:  # noqa: BLE001 - explained in one line
-        raise _probe_error(base_url, exc) from None
+        raise _probe_error(url, exc) from None
     if spec.thinking and not done.reasoning:
-        raise StageError(f"thinking is on, but {base_url} returned no reasoning (no reasoning_content/reasoning "
+        raise StageError(f"thinking is on, but {url} returned no reasoning (no reasoning_content/reasoning "
                          f"field, no <think> tags): the server may lack a reasoning parser (SGLang/vLLM: "
                          f"--reasoning-parser), or the model does not think; or run with generation.thinking=false")
+    engine = await detect_engine(client)
+    via = await _token_id_method(client, url, spec, stream, engine, max_backoff_s)
+    return ServerFeatures(engine, via)
 
 
-async def _served_models(client: AsyncOpenAI, base_url: str) -> list[str]:
+async def _token_id_method(client: AsyncOpenAI, url: str, spec: RequestSpec, stream: bool, engine: str,
+                           max_backoff_s: float) -> str | None:
+    """The first of the engine's methods whose probe returns whole ids; None (auto) or StageError (on) when none
+    does."""
+    if spec.token_ids == "off":
+        return None
+    tried = []
+    for name in CANDIDATES[engine]:
+        probe = spec.with_token_ids(name).with_max_tokens(ID_PROBE_TOKENS)
+        try:
+            # missing ids are not passing: one answer without them is enough to move on
+            await call_with_retries(lambda: complete(client, probe, PROBE_MESSAGES, stream=stream),
+                                    PROBE_ATTEMPTS, max_backoff_s=max_backoff_s, give_up_on=(IncompleteTokenIds,))
+        except Exception as exc:  # noqa: BLE001 - the reason is reported
+            tried.append(f"{METHODS[name].described}: {classify(exc).reason}")
+            continue
+        unstreamed = " (requests are sent unstreamed)" if stream and not METHODS[name].streams else ""
+        print(f"token ids: {url} ({engine}) returns them via {METHODS[name].described}{unstreamed}",
+              file=sys.stderr)
+        return name
+    what = f"{url} ({engine}) returned no whole token ids; tried {'; '.join(tried)}"
+    if spec.token_ids == "on":
+        raise StageError(f"generation.token_ids=on, but {what}. Serve the model with vLLM >= 0.10.2, SGLang >= "
+                         f"0.5.20 or llama-server, or set generation.token_ids=auto (rows without ids) or off")
+    print(f"token ids: {what}; completions are stored without ids (generation.token_ids=auto)", file=sys.stderr)
+    return None
+
+
+async def _served_models(client: AsyncOpenAI, url: str) -> list[str]:
     try:
         return [m.id for m in (await client.models.list()).data]
     except openai.APIConnectionError as exc:
-        raise StageError(f"cannot reach the server at {base_url} (GET {base_url}/models: {exc.__cause__ or exc}); "
-                         f"is it running, and is the host/port right?") from None
+        raise StageError(f"cannot reach the server at {url} (GET {url}/models: "
+                         f"{redact_url(str(exc.__cause__ or exc))}); is it running, and is the host/port right?") \
+            from None
     except openai.NotFoundError:
-        raise StageError(f"GET {base_url}/models answered 404: {base_url} is not an OpenAI-compatible API "
+        raise StageError(f"GET {url}/models answered 404: {url} is not an OpenAI-compatible API "
                          f"(does base_url end in /v1, and is this the inference server's port?)") from None
     except openai.APIStatusError as exc:
-        raise StageError(f"GET {base_url}/models answered HTTP {exc.status_code}: {error_message(exc)}") from None
+        raise StageError(f"GET {url}/models: {classify(exc).reason}") from None
     except (openai.APIResponseValidationError, ValueError) as exc:
-        raise StageError(f"GET {base_url}/models did not return an OpenAI model list ({exc}); "
-                         f"{base_url} is not an OpenAI-compatible API") from None
+        raise StageError(f"GET {url}/models did not return an OpenAI model list ({exc}); "
+                         f"{url} is not an OpenAI-compatible API") from None
 
 
-def _probe_error(base_url: str, exc: BaseException) -> StageError:
-    url = f"POST {base_url}/chat/completions"
-    if isinstance(exc, openai.NotFoundError):
-        return StageError(f"{url} answered 404: chat completions are not served there "
+def _probe_error(url: str, exc: BaseException) -> StageError:
+    post = f"POST {url}/chat/completions"
+    if isinstance(exc, openai.NotFoundError) and "model" not in error_message(exc).lower():
+        return StageError(f"{post} answered 404: chat completions are not served there "
                           f"(a different service on this port, or a completions-only endpoint?)")
     if isinstance(exc, openai.APIStatusError):
-        return StageError(f"{url} answered HTTP {exc.status_code}: {error_message(exc)}")
+        return StageError(f"{post}: {classify(exc).reason}")
     if isinstance(exc, (TruncatedStream, openai.APIResponseValidationError, ValueError)):
-        return StageError(f"{url} did not return an OpenAI chat completion ({exc}) in {PROBE_ATTEMPTS} attempts; "
+        return StageError(f"{post} did not return an OpenAI chat completion ({exc}) in {PROBE_ATTEMPTS} attempts; "
                           f"chat completions are not served there")
-    return StageError(f"{url} failed {PROBE_ATTEMPTS} times: {classify(exc).reason}")
+    return StageError(f"{post} failed {PROBE_ATTEMPTS} times: {classify(exc).reason}")

@@ -1,7 +1,8 @@
 """Everything that is sent to the server besides the messages, built once from config.
 
 The same object gives the request body (sampling params and the chat-template kwargs: the thinking switch plus the
-target's template kwargs), the identity that keys a completion for resuming, and the kwargs tokenize renders with.
+target's template kwargs, and the fields that ask this server for its token ids), the identity that keys a completion
+for resuming, and the kwargs tokenize renders with.
 """
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from dataclasses import dataclass, field
 import orjson
 from omegaconf import OmegaConf
 
+from drafter_data.errors import StageError
+from drafter_data.server.token_ids import id_method
 from drafter_data.tokens.chat_template import chat_template_kwargs
+
+TOKEN_ID_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,8 @@ class RequestSpec:
     thinking: bool
     thinking_kwarg: str
     template_kwargs: dict = field(default_factory=dict)
+    token_ids: str = "auto"  # generation.token_ids: auto | on | off (what preflight looks for)
+    token_ids_via: str | None = None  # how this server is asked for them (token_ids.METHODS), set from preflight
 
     @classmethod
     def from_config(cls, cfg, template_kwargs=None, max_tokens: int | None = None) -> RequestSpec:
@@ -33,7 +40,7 @@ class RequestSpec:
                    temperature=float(gen.temperature), top_p=float(gen.get("top_p", 1.0)),
                    seed=None if gen.get("seed") is None else int(gen.seed), thinking=bool(gen.thinking),
                    thinking_kwarg=str(target.thinking_kwarg),
-                   template_kwargs=_plain(kwargs))
+                   template_kwargs=_plain(kwargs), token_ids=token_id_mode(gen.get("token_ids", "auto")))
 
     def chat_template_kwargs(self, thinking: bool | None = None) -> dict:
         """The template kwargs of a request: the thinking switch (this spec's mode unless given) and the rest."""
@@ -49,20 +56,42 @@ class RequestSpec:
             body["seed"] = self.seed
         if tools:
             body["tools"] = tools
+        method = id_method(self.token_ids_via)
+        if method is not None:
+            body["extra_body"].update(method.body_fields())
         return body
 
-    def identity(self, target_name: str) -> bytes:
-        """Everything besides the prompt that determines a completion, as canonical bytes (the request key's input).
-        Unchanged in form since the first release, so completions made then still resume."""
+    def identity(self, target_name: str, thinking: bool | None = None) -> bytes:
+        """Everything besides the prompt that determines a completion in mode `thinking` (this spec's unless
+        given), as canonical bytes (the request key's input). Unchanged in form since the first release, so
+        completions made then still resume."""
         ident = {"target": target_name, "model": self.model, "max_tokens": self.max_tokens,
                  "temperature": self.temperature, "top_p": self.top_p,
-                 "extra_body": {"chat_template_kwargs": self.chat_template_kwargs()}}
+                 "extra_body": {"chat_template_kwargs": self.chat_template_kwargs(thinking)}}
         if self.seed is not None:
             ident["seed"] = self.seed
         return orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)
 
     def with_max_tokens(self, max_tokens: int) -> RequestSpec:
         return RequestSpec(**{**self.__dict__, "max_tokens": int(max_tokens)})
+
+    def with_thinking(self, thinking: bool) -> RequestSpec:
+        return RequestSpec(**{**self.__dict__, "thinking": bool(thinking)})
+
+    def with_token_ids(self, via: str | None) -> RequestSpec:
+        """This spec asking for token ids by `via` (ServerFeatures.token_ids from preflight; None: not asking)."""
+        id_method(via)  # unknown names fail here, not at the first request
+        return RequestSpec(**{**self.__dict__, "token_ids_via": via})
+
+
+def token_id_mode(value) -> str:
+    """generation.token_ids as auto | on | off (YAML may hand over a bool for on/off)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    mode = str(value).lower()
+    if mode not in TOKEN_ID_MODES:
+        raise StageError(f"generation.token_ids must be auto, on or off, not {value!r}")
+    return mode
 
 
 def _plain(kwargs) -> dict:

@@ -1,0 +1,36 @@
+"""Which engine serves a URL, from the endpoints only that engine has: llama-server's GET /props, SGLang's
+GET /server_info (older: /get_server_info), vLLM's GET /version. A few cheap GETs with a short timeout; anything
+unexpected (a proxy that forwards only /v1, an auth wall, another engine) is "unknown", never an error."""
+from __future__ import annotations
+
+import openai
+from openai import AsyncOpenAI
+
+from drafter_data.server.endpoints import api_root
+
+ENGINES = ("llama-server", "vllm", "sglang", "unknown")
+PROBE_TIMEOUT_S = 5.0
+
+
+async def detect_engine(client: AsyncOpenAI) -> str:
+    quick = client.with_options(timeout=PROBE_TIMEOUT_S, max_retries=0)
+    root = api_root(str(client.base_url))
+    props = await _get_json(quick, f"{root}/props")
+    if "default_generation_settings" in props or "build_info" in props:
+        return "llama-server"
+    for path in ("/server_info", "/get_server_info"):
+        info = await _get_json(quick, root + path)
+        if "version" in info and any(k in info for k in ("tp_size", "model_path", "internal_states")):
+            return "sglang"
+    version = await _get_json(quick, f"{root}/version")
+    if isinstance(version.get("version"), str):
+        return "vllm"
+    return "unknown"
+
+
+async def _get_json(client: AsyncOpenAI, url: str) -> dict:
+    try:
+        found = await client.get(url, cast_to=object)
+    except (openai.APIError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
