@@ -1,11 +1,14 @@
 """The embedded default server: llama.cpp's llama-server on loopback, started for a stage and stopped after it.
 
 `python -m drafter_data.server.local --setup` assembles the GGUF into the cache (setup.sh calls it);
-`local_server(cfg)` reuses a healthy server already at server.base_url, else starts one (own process group, so the
-whole group is stopped on exit, Ctrl-C or error). Stages reach it through `endpoints.servers`.
+`local_server(cfg)` reuses a healthy server already at server.base_url only when its GET /props shows the configured
+model file, alias, chat template and context (one left by a killed run); anything else there (somebody else's
+server, another model or template) is left alone and our own is started on a free port. Ours runs in its own process
+group, so the whole group is stopped on exit, Ctrl-C or error. Stages reach it through `serving.servers`.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from drafter_data.errors import StageError
-from drafter_data.server.endpoints import api_root
+from drafter_data.server.endpoints import api_root, redact_url
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
@@ -51,6 +54,44 @@ def healthy(base_url: str, timeout: float = 2.0) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def props(base_url: str, timeout: float = 5.0) -> dict | None:
+    """llama-server's GET /props (model file, alias, chat template, context per slot), None if not answered."""
+    try:
+        with urllib.request.urlopen(f"{api_root(base_url)}/props", timeout=timeout) as resp:
+            found = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def foreign_reason(base_url: str, server_cfg) -> str | None:
+    """Why the server at base_url is not the llama-server this config would start; None when it is."""
+    found = props(base_url)
+    if found is None:
+        return "it does not answer llama-server's GET /props"
+    local = server_cfg.local
+    model = os.path.realpath(local.get("model_path") or default_model_path())
+    if os.path.realpath(str(found.get("model_path") or "")) != model:
+        return f"it serves the model file {found.get('model_path')}, not {model}"
+    if found.get("model_alias") != str(server_cfg.model):
+        return f"it serves the model as {found.get('model_alias')!r}, not {server_cfg.model!r}"
+    template = local.get("chat_template")
+    if template and str(found.get("chat_template") or "").strip() != template_text(template).strip():
+        return f"its chat template is not {template}"
+    per_slot = (found.get("default_generation_settings") or {}).get("n_ctx") or 0
+    wanted = int(local.get("context", 32768)) // int(local.get("slots", 16))
+    if per_slot < wanted:
+        return f"its context is {per_slot} tokens per slot, less than the configured {wanted}"
+    return None
+
+
+def template_text(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise StageError(f"cannot read the chat template {path} (server.local.chat_template): {exc}") from None
 
 
 def free_port() -> int:
@@ -113,18 +154,27 @@ def start(local, model_alias: str, port: int, log_path: Path | None = None) -> t
             return proc, base_url
         time.sleep(0.2)
     stop(proc)
-    raise StageError(f"llama-server did not become healthy within {local.get('startup_timeout_s', 60)} s on port {port}")
+    raise StageError(f"llama-server did not become healthy within {local.get('startup_timeout_s', 60)} s on port "
+                     f"{port}")
 
 
 @contextmanager
 def local_server(server_cfg, log_path: Path | None = None):
-    """Yields the base URL of the embedded llama-server: one already answering at server.base_url, else our own."""
+    """Yields the base URL of the embedded llama-server: the one already answering at server.base_url if it is what
+    this config would start, else our own."""
     configured = str(server_cfg.base_url).rstrip("/")
-    if healthy(configured):
-        yield configured
-        return
     port = urlparse(configured).port or 8123
-    if not _port_free(port):
+    if healthy(configured):
+        reason = foreign_reason(configured, server_cfg)
+        if reason is None:
+            print(f"reusing the llama-server at {redact_url(configured)} (same model, alias, template, context)",
+                  file=sys.stderr)
+            yield configured
+            return
+        port = free_port()
+        print(f"not reusing the server at {redact_url(configured)}: {reason}; starting our own on port {port}",
+              file=sys.stderr)
+    elif not _port_free(port):
         port = free_port()
     proc, base_url = start(server_cfg.local, server_cfg.model, port, log_path)
     print(f"started llama-server (pid {proc.pid}) at {base_url}", file=sys.stderr)
