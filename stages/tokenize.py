@@ -18,7 +18,7 @@ import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from multiprocessing import get_context
+from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -31,8 +31,9 @@ from drafter_data.tokens.chat_template import chat_template_kwargs
 from drafter_data.tokens.checks import check_consistency, check_output_dir, check_policies, result_problems
 from drafter_data.tokens.lengths import LengthHistograms
 from drafter_data.tokens.regroup import partition_by_conversation
-from drafter_data.tokens.report import log_run, metadata, summary_lines
-from drafter_data.tokens.rows import init_worker, tokenize_task, worker_conversation
+from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
+from drafter_data.tokens.rows import init_worker, tokenize_task, worker_conversation, worker_settings_loaded
+from drafter_data.tracking import preload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,8 +55,9 @@ def main(cfg) -> int:
         meta = metadata(cfg, settings, worker_conversation(), counts)
     shutil.rmtree(out_dir / ".conversations", ignore_errors=True)
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
-    print("\n".join(summary_lines(meta, out_dir, float(tcfg.max_drift_rate))), file=sys.stderr)
-    log_run(cfg, meta, out_dir, lengths, getattr(worker_conversation().tokenizer, "think_end_id", None) is None)
+    speed = throughput(counts)
+    print("\n".join(summary_lines(meta, speed, out_dir, float(tcfg.max_drift_rate))), file=sys.stderr)
+    log_run(cfg, meta, speed, out_dir, lengths, getattr(worker_conversation().tokenizer, "think_end_id", None) is None)
     problems = result_problems(meta, float(tcfg.max_drop_share), float(tcfg.max_drift_rate))
     if problems:
         raise StageError("; ".join(problems) + f" (details in {out_dir / 'meta.json'})")
@@ -129,24 +131,36 @@ def plan_tasks(in_paths: list[Path], out_dir: Path, settings: dict) -> list[tupl
 
 
 def tokenize_all(tasks: list, settings: dict, workers: int, server_kind: bool) -> tuple[Counter, LengthHistograms]:
-    """Every task through tokenize_task; returns the summed counts and length histograms."""
+    """Every task through tokenize_task; returns the summed counts (with the tokenizing window and the workers'
+    busy time, in ms) and the length histograms."""
     counts, lengths = Counter(read=0, kept=0), LengthHistograms(settings["max_length"])
-    with task_map(settings, workers, server_kind, len(tasks)) as map_tasks:
-        for task_counts, task_lengths in map_tasks(tokenize_task, tasks):
+    first, last = float("inf"), 0.0
+    with task_map(workers, server_kind, len(tasks)) as map_tasks:
+        for task_counts, task_lengths, (start, end) in map_tasks(tokenize_task, tasks):
             counts.update(task_counts)
             lengths.merge(task_lengths)
+            first, last = min(first, start), max(last, end)
+            counts["time.busy_ms"] += round((end - start) * 1000)
+    counts["time.window_ms"] = round(max(0.0, last - first) * 1000)
     return counts, lengths
 
 
 @contextmanager
-def task_map(settings: dict, workers: int, server_kind: bool, n_tasks: int):
-    """Threads for the server tokenizer (the work is the server's) or a single worker; else spawned processes."""
+def task_map(workers: int, server_kind: bool, n_tasks: int):
+    """Threads for the server tokenizer (the work is the server's) or a single worker; else worker processes,
+    forked where the platform allows: they start with the tokenizer this process loaded (no imports, no second
+    load). Forked before any thread of ours exists; MLflow is imported in the background only after."""
     if server_kind or workers == 1 or n_tasks == 1:
         with ThreadPoolExecutor(max_workers=workers * 2 if server_kind else 1) as pool:
+            preload()
             yield pool.map
-    else:
-        with get_context("spawn").Pool(min(workers, n_tasks), initializer=init_worker, initargs=(settings,)) as pool:
-            yield pool.imap_unordered
+        return
+    fork = "fork" in get_all_start_methods()
+    context = get_context("fork" if fork else "spawn")
+    options = {} if fork else {"initializer": init_worker, "initargs": (worker_settings_loaded(),)}
+    with context.Pool(min(workers, n_tasks), **options) as pool:
+        preload()
+        yield pool.imap_unordered
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from drafter_data.tokens.lengths import LengthHistograms
 
 # Counter keys that are not row outcomes (rows.* in meta.json): totals and the comparisons' own blocks
 _NOT_ROWS = ("tokens", "loss_tokens", "rows_out")
-_BLOCKS = ("drift.", "prompt.", "thinking.")
+_BLOCKS = ("drift.", "prompt.", "thinking.", "time.")
 
 
 def _rate(differ: int, compared: int) -> float:
@@ -55,7 +55,15 @@ def metadata(cfg, settings: dict, conv: ConversationTokenizer, counts: Counter) 
     }
 
 
-def summary_lines(meta: dict, out_dir: Path, max_drift_rate: float) -> list[str]:
+def throughput(counts: Counter) -> dict:
+    """Tokens per second while tokenizing (first task start to last task end: past start-up) and per busy worker
+    second; not in meta.json, which stays the same for the same data."""
+    window, busy = counts["time.window_ms"] / 1000, counts["time.busy_ms"] / 1000
+    return {"tokenize_window_s": window, "tokens_per_s": counts["tokens"] / window if window else 0.0,
+            "tokens_per_worker_s": counts["tokens"] / busy if busy else 0.0}
+
+
+def summary_lines(meta: dict, speed: dict, out_dir: Path, max_drift_rate: float) -> list[str]:
     rows, drift, prompt = meta["rows"], meta["drift"], meta["prompt_ids"]
     outcome = ", ".join(f"{k}={v}" for k, v in rows.items())
     lines = [f"tokenized {rows.get('kept', 0)} of {rows.get('read', 0)} rows into {meta['output_rows']} "
@@ -71,10 +79,12 @@ def summary_lines(meta: dict, out_dir: Path, max_drift_rate: float) -> list[str]
     if prompt["rows_compared"]:
         lines.append(f"prompt ids: {prompt['rows_differ']} of {prompt['rows_compared']} prompts render to other ids "
                      f"than the server's (rate {prompt['rate']:.4f})")
+    lines.append(f"throughput: {speed['tokens_per_s'] / 1e6:.2f} M tokens/s over {speed["tokenize_window_s"]:.2f} s "
+                 f"of tokenizing, {speed['tokens_per_worker_s'] / 1e6:.2f} M per busy worker-second")
     return lines
 
 
-def log_run(cfg, meta: dict, out_dir: Path, lengths: LengthHistograms, estimated_reasoning: bool) -> None:
+def log_run(cfg, meta: dict, speed: dict, out_dir: Path, lengths: LengthHistograms, estimated_reasoning: bool) -> None:
     from drafter_data.tracking import stage_run
 
     with stage_run("tokenize", cfg) as run:
@@ -83,7 +93,7 @@ def log_run(cfg, meta: dict, out_dir: Path, lengths: LengthHistograms, estimated
                      "tokens_per_row_mean": meta["tokens"] / meta["output_rows"] if meta["output_rows"] else 0.0,
                      **{f"drift.{k}": v for k, v in meta["drift"].items()},
                      **{f"prompt_ids.{k}": v for k, v in meta["prompt_ids"].items()},
-                     **{f"thinking_rows.{k}": v for k, v in meta["thinking_rows"].items()}})
+                     **{f"thinking_rows.{k}": v for k, v in meta["thinking_rows"].items()}, **speed})
         run.artifact(out_dir / "meta.json")
         if meta["output_rows"]:
             with tempfile.TemporaryDirectory() as tmp:

@@ -8,6 +8,7 @@ Every row read is counted once: `kept`, or `dropped.<reason>`. Flags beside them
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -46,6 +47,10 @@ def init_worker(settings: dict) -> None:
 
 def worker_conversation() -> ConversationTokenizer:
     return _worker["conv"]
+
+
+def worker_settings_loaded() -> dict:
+    return _worker["settings"]
 
 
 @dataclass
@@ -227,8 +232,10 @@ def input_turns(pieces: list[tuple[str, int | None]], settings: dict):
             yield from turns_from_batch(batch, settings["thinking"])
 
 
-def tokenize_task(task: tuple[str, list[tuple[str, int | None]]]) -> tuple[Counter, LengthHistograms]:
-    """One task -> its shards, written by the worker itself (results never travel back as lists)."""
+def tokenize_task(task: tuple[str, list[tuple[str, int | None]]]) -> tuple[Counter, LengthHistograms, tuple]:
+    """One task -> its shards, written by the worker itself (results never travel back as lists); also when it
+    started and ended (wall clock, for the throughput past start-up)."""
+    start = time.time()
     name, pieces = task
     settings = _worker["settings"]
     writer = ShardWriter(Path(settings["out_dir"]), name, settings)
@@ -240,4 +247,4 @@ def tokenize_task(task: tuple[str, list[tuple[str, int | None]]]) -> tuple[Count
     for group in groups:
         writer.add(build_row(group, writer.counts))
     writer.flush()
-    return writer.counts, writer.lengths
+    return writer.counts, writer.lengths, (start, time.time())
