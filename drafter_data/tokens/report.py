@@ -79,7 +79,7 @@ def summary_lines(meta: dict, speed: dict, out_dir: Path, max_drift_rate: float)
     if prompt["rows_compared"]:
         lines.append(f"prompt ids: {prompt['rows_differ']} of {prompt['rows_compared']} prompts render to other ids "
                      f"than the server's (rate {prompt['rate']:.4f})")
-    lines.append(f"throughput: {speed['tokens_per_s'] / 1e6:.2f} M tokens/s over {speed["tokenize_window_s"]:.2f} s "
+    lines.append(f"throughput: {speed['tokens_per_s'] / 1e6:.2f} M tokens/s over {speed['tokenize_window_s']:.2f} s "
                  f"of tokenizing, {speed['tokens_per_worker_s'] / 1e6:.2f} M per busy worker-second")
     return lines
 
