@@ -1,15 +1,20 @@
 """Benchmark of the tokenize stage (Kimi K2.6 tokenizer, 2 worker processes) against raw tiktoken.
 
-Builds completions of ~2,000 tokens from the prompt fixtures' real answers, renders them with K2.6's template, and
-prints in one run: the stage's tokens/s (whole stage process: read, render, tokenize, mask, write), raw tiktoken
-`encode_ordinary` tokens/s over the same rendered texts (one thread, in this process), and their ratio (goal >= 0.8).
+Builds completions of ~2,000 tokens from the prompt fixtures' real answers and measures, in one run, raw tiktoken
+`encode_ordinary` on one thread over the same rendered texts (the baseline), then the stage `--runs` times. Per run
+it prints two ratios against the baseline, per core (the stage's tokens/s divided by its workers):
+  * past start-up: tokens over the stage's own tokenizing window (first task start to last task end);
+  * whole process: tokens over the wall time of `python -m stages.tokenize` (imports, workers, MLflow included).
+Goal: >= 0.8 per core past start-up. `--ids` gives every row the server's prompt and sampled ids (as vLLM returns
+them): the stage keeps them and retokenizes the answer to measure drift.
 
-    .venv/bin/python bench/tokenize.py [--rows 20000]
+    .venv/bin/python bench/tokenize.py [--rows 20000] [--runs 3] [--ids]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -20,6 +25,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench._common import REPO, SHARED, run_measured  # noqa: E402
 
 KIMI = SHARED / "fixtures" / "kimi-k2-tokenizer"
+WORKERS = 2
 
 
 def build_rows(n: int) -> list[dict]:
@@ -41,53 +47,93 @@ def build_rows(n: int) -> list[dict]:
             text += "\n\n" + answers[j % len(answers)]
         rows.append({"prompt_id": f"p{i}", "source": "bench", "messages": [{"role": "user", "content": q[:2000]}],
                      "reasoning": text[:5000], "content": text[5000:8000], "finish_reason": "stop",
-                     "prompt_tokens": 0, "completion_tokens": 0})
+                     "prompt_tokens": 0, "completion_tokens": 0, "thinking": True})
     return rows
 
 
-def main() -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def conversation_tokenizer():
     from omegaconf import OmegaConf
 
-    from drafter_data.conversation_tokens import ConversationTokenizer, final_assistant_message
-    from drafter_data.tokenizers import KimiTokenizer
+    from drafter_data.tokens.conversation import ConversationTokenizer
+    from drafter_data.tokens.tokenizers import KimiTokenizer
 
+    target = OmegaConf.load(REPO / "conf/target/kimi-k2.6.yaml")
+    target.tokenizer_dir = str(KIMI)
+    return ConversationTokenizer(target, KimiTokenizer(KIMI), {"thinking": True, "preserve_thinking": True})
+
+
+def rendered_texts(conv, rows: list[dict]) -> list[str]:
+    from drafter_data.tokens.conversation import final_assistant_message
+
+    return [conv.render(r["messages"] + [final_assistant_message(r["content"], r["reasoning"], None, True)])
+            for r in rows]
+
+
+def add_server_ids(conv, rows: list[dict]) -> None:
+    """The ids a vLLM server returns: the prompt's, and the sampled reasoning, </think>, answer, <|im_end|>."""
+    tok = conv.tokenizer
+    for r in rows:
+        r["prompt_token_ids"] = conv.prompt_ids(r["messages"])
+        r["completion_token_ids"] = (tok.encode(r["reasoning"]) + [tok.specials["</think>"]] + tok.encode(r["content"])
+                                     + [tok.specials["<|im_end|>"]])
+
+
+def write_completions(rows: list[dict], directory: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir()
+    for k in range(0, len(rows), 5000):
+        pq.write_table(pa.Table.from_pylist(rows[k:k + 5000]), directory / f"completions-{k // 5000:05d}.parquet")
+
+
+def raw_tokens_per_s(conv, texts: list[str]) -> float:
+    enc = conv.tokenizer._enc
+    t0 = time.perf_counter()
+    tokens = sum(len(enc.encode_ordinary(t)) for t in texts)
+    return tokens / (time.perf_counter() - t0)
+
+
+def run_stage(tmp: Path, run: int, env: dict) -> dict:
+    out = tmp / f"out{run}"
+    stage = run_measured([sys.executable, "-m", "stages.tokenize", "target=kimi-k2.6", f"target.tokenizer_dir={KIMI}",
+                          f"tokenize.input={tmp / 'in'}", f"tokenize.output={out}", f"tokenize.workers={WORKERS}",
+                          "tokenize.max_length=100000"], env=env)
+    meta = json.loads((out / "meta.json").read_text())
+    window = float(re.search(r"throughput: .* over ([\d.]+) s of tokenizing", stage["stderr"]).group(1))
+    return {**stage, "tokens": meta["tokens"], "window_s": window, "drift": meta["drift"]}
+
+
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=20000)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--ids", action="store_true", help="rows carry the server's prompt and sampled ids")
     args = parser.parse_args()
     if not KIMI.exists():
         sys.exit(f"missing {KIMI}: the benchmark uses ../shared's Kimi tokenizer files")
+    conv = conversation_tokenizer()
     rows = build_rows(args.rows)
+    if args.ids:
+        add_server_ids(conv, rows)
+    texts = rendered_texts(conv, rows)
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-") as tmp:
         tmp = Path(tmp)
-        (tmp / "in").mkdir()
-        for k in range(0, len(rows), 5000):
-            pq.write_table(pa.Table.from_pylist(rows[k:k + 5000]), tmp / "in" / f"completions-{k // 5000:05d}.parquet")
-        target = OmegaConf.load(REPO / "conf/target/kimi-k2.6.yaml")
-        target.tokenizer_dir = str(KIMI)
-        tok = KimiTokenizer(KIMI)
-        conv = ConversationTokenizer(target, tok, True, {"preserve_thinking": True})
-        texts = [conv.render(r["messages"] + [final_assistant_message(r["content"], r["reasoning"])]) for r in rows]
-        enc = tok._enc
-        t0 = time.perf_counter()
-        raw_tokens = sum(len(enc.encode_ordinary(t)) for t in texts)
-        raw_s = time.perf_counter() - t0
+        write_completions(rows, tmp / "in")
+        del rows
         # the tracking database exists in real use; creating one (~3 s of migrations) is not the stage's work
         env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
         run_measured([sys.executable, "-c", "import mlflow; mlflow.set_experiment('drafter-data')"], env=env)
-        stage = run_measured([sys.executable, "-m", "stages.tokenize", "target=kimi-k2.6",
-                              f"target.tokenizer_dir={KIMI}", f"tokenize.input={tmp / 'in'}",
-                              f"tokenize.output={tmp / 'out'}", "tokenize.workers=2", "tokenize.max_length=100000"],
-                             env=env)
-        meta = json.loads((tmp / "out" / "meta.json").read_text())
-        stage_tps = meta["tokens"] / stage["wall_s"]
-        raw_tps = raw_tokens / raw_s
-        print(f"{len(rows):,} rows, {meta['tokens']:,} tokens ({sum(map(len, texts)) / 1e6:.1f} MB rendered)")
-        print(f"raw tiktoken encode_ordinary (1 thread): {raw_tps / 1e6:.2f} M tokens/s ({raw_s:.1f} s)")
-        print(f"tokenize stage (2 workers, whole process): {stage_tps / 1e6:.2f} M tokens/s ({stage['wall_s']:.1f} s, "
-              f"peak RSS {stage['peak_rss_mb']:.0f} MB, CPU {stage['cpu_s']:.1f} s)")
-        print(f"ratio stage / raw: {stage_tps / raw_tps:.2f}")
+        raw = raw_tokens_per_s(conv, texts)
+        print(f"{len(texts):,} rows ({sum(map(len, texts)) / 1e6:.1f} MB rendered){', with server ids' if args.ids else ''}"
+              f"; raw tiktoken encode_ordinary, 1 thread: {raw / 1e6:.2f} M tokens/s")
+        for run in range(args.runs):
+            s = run_stage(tmp, run, env)
+            past, whole = s["tokens"] / s["window_s"] / WORKERS / raw, s["tokens"] / s["wall_s"] / WORKERS / raw
+            print(f"run {run + 1}: per core past start-up {past:.2f}, whole process {whole:.2f} "
+                  f"({s['tokens']:,} tokens; wall {s['wall_s']:.1f} s, tokenizing {s['window_s']:.1f} s, start-up and "
+                  f"finish {s['wall_s'] - s['window_s']:.1f} s; peak RSS {s['peak_rss_mb']:.0f} MB, CPU "
+                  f"{s['cpu_s']:.1f} s; drift rows compared {s['drift']['rows_compared']})")
 
 
 if __name__ == "__main__":
