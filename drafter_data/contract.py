@@ -34,6 +34,7 @@ COMPLETIONS = pa.schema(list(PROMPTS) + [
     ("completion_token_ids", pa.list_(pa.int32())),  # the sampled ids, when the server returned them
     ("length_stop_in", pa.string()),  # reasoning | content | null: where a finish_reason=length cut the answer
     ("request_key", pa.string()),  # hash of everything that determines the completion (resume identity)
+    ("parent_key", pa.string()),  # the request key of the turn this one continues (null for turn 0)
     ("model", pa.string()),
     ("thinking", pa.bool_()),
     ("target", pa.string()),

@@ -1,9 +1,11 @@
-"""generate: prompts in; the target's own completions (reasoning + answer) out, exactly once per prompt.
+"""generate: prompts in; the target's own completions (reasoning + answer) out, exactly once per prompt and turn.
 
 Survives days of running: faults are retried with backoff (a server that goes away is waited for, not burned
-through), shards are complete or absent after any kill, a re-run sends only what is missing, and a re-run with other
-generation params moves the old rows aside instead of reusing them. Ctrl-C/SIGTERM: stop sending, give in-flight
-requests a grace period, write what finished, exit non-zero.
+through; a fault that no request can get past stops the run), shards are complete or absent after any kill, a re-run
+sends only what is missing, and a re-run with other generation params moves the old rows aside instead of reusing
+them (and takes them back when the params return). Conversations (prepare.turns=all) are answered turn by turn, each
+turn sent with the target's own earlier answers. Ctrl-C/SIGTERM: stop sending, let in-flight requests finish, write
+what finished, exit non-zero.
 
     in:  generate.input (prompt shards), the server(s) at server.base_url
     out: generate.output: completions-*.parquet, errors.jsonl (requests that failed for good), run.json (summary)
@@ -19,42 +21,47 @@ from pathlib import Path
 from drafter_data.config import run_stage
 from drafter_data.contract import shard_paths
 from drafter_data.errors import StageError
+from drafter_data.generation.error_log import ErrorLog
+from drafter_data.generation.keys import KeySet
+from drafter_data.generation.lock import OutputLock
 from drafter_data.generation.progress import assessed_tokens_per_s
 from drafter_data.generation.runner import Runner, RunSettings
-from drafter_data.generation.store import CompletionStore, ErrorLog
-from drafter_data.generation.work import current_keys, iter_todo
+from drafter_data.generation.store import CompletionStore, ResumePlan
+from drafter_data.generation.work import InputKeys, ThinkingModes, count_todo, input_keys, iter_todo
 from drafter_data.server.client import make_client
 from drafter_data.server.endpoints import api_key
-from drafter_data.server.serving import servers
 from drafter_data.server.pool import ServerPool, ServerState
 from drafter_data.server.preflight import preflight
 from drafter_data.server.request import RequestSpec
+from drafter_data.server.serving import servers
 from drafter_data.tracking import stage_run
 
 
 def main(cfg) -> int:
     spec = RequestSpec.from_config(cfg)
-    with stage_run("generate", cfg) as run, servers(cfg.server) as urls:
+    with OutputLock(Path(cfg.generate.output)), stage_run("generate", cfg) as run, servers(cfg.server) as urls:
         return asyncio.run(generate(cfg, spec, urls, run))
 
 
 async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     g = cfg.generate
     settings = RunSettings.from_config(cfg)
+    modes = ThinkingModes.from_config(cfg.generation)
     prompts = input_shards(Path(g.input))
-    identity = spec.identity(cfg.target.name)
-    wanted = current_keys(prompts, identity)
+    inputs = input_keys(prompts, spec, cfg.target.name, modes)
     store = CompletionStore(Path(g.output))
-    done = resume(store, wanted)
-    pool = await connect(cfg, spec, urls, settings)
-    errors = ErrorLog(Path(g.output) / "errors.jsonl")
+    plan = store.plan(KeySet(inputs.keys))  # reads only; nothing moves before preflight has passed
+    pool = await connect(cfg, spec, urls, settings, modes)
+    apply(store, plan)
+    errors = ErrorLog(Path(g.output) / "errors.jsonl", plan.valid)
+    total = report_resume(inputs, plan)
     runner = Runner(spec, settings, pool, store, errors, run, assessed_tokens_per_s(g.get("assessment")))
     try:
-        await runner.run_all(iter_todo(prompts, identity, done), len(wanted) - len(done))
+        await runner.run_all(iter_todo(prompts, inputs, plan, settings.keep_reasoning), total)
     finally:
         await pool.close()
-        summarize(runner, store, errors, done, wanted, Path(g.output), run)
-    if runner.stopping.is_set():
+        summarize(runner, store, errors, plan, inputs, Path(g.output), run)
+    if runner.signal is not None:
         return 128 + int(runner.signal or signal.SIGINT)
     return 0
 
@@ -66,42 +73,62 @@ def input_shards(directory: Path) -> list[Path]:
     return paths
 
 
-def resume(store: CompletionStore, wanted: set[str]) -> set[str]:
-    """The request keys already done; rows the current config would not produce are moved aside."""
-    done = store.scan(wanted)
-    if store.stale_rows:
-        print(f"moved {store.stale_rows} completions made with other generation params or for prompts no longer in "
-              f"the input to {store.stale_dir}", file=sys.stderr)
-    print(f"{len(wanted)} prompts: {len(done)} already done, {len(wanted) - len(done)} to generate", file=sys.stderr)
-    return done
-
-
-async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings) -> ServerPool:
-    """A client per server, each checked by preflight before the first prompt is sent."""
+async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings, modes: ThinkingModes) -> ServerPool:
+    """A client per server, each checked by preflight before the first prompt is sent (with thinking on when any
+    prompt thinks: the server must return reasoning)."""
     key = api_key(cfg.server)
     timeout = float(cfg.server.request_timeout_s)
     states = [ServerState(u, make_client(u, key, settings.concurrency, timeout)) for u in urls]
-    for s in states:
-        await preflight(s.client, s.url, spec, settings.stream)
+    probe = spec if modes.ratio is None else spec.with_thinking(modes.ratio > 0)
+    try:
+        for s in states:
+            await preflight(s.client, s.url, probe, settings.stream)
+    except BaseException:
+        for s in states:
+            await s.client.close()
+        raise
     return ServerPool(states, float(cfg.generate.server_down_timeout_s))
 
 
-def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, done_before: set[str], wanted: set[str],
+def apply(store: CompletionStore, plan: ResumePlan) -> None:
+    """Moves what the plan says, saying so: unreadable shards, rows of other params, rows wanted again."""
+    store.apply(plan)
+    for path, reason in plan.broken:
+        print(f"moved unreadable shard {path.name} to {store.quarantine_dir} ({reason}); its prompts are "
+              f"generated again", file=sys.stderr)
+    if plan.stale_rows:
+        print(f"moved {plan.stale_rows} completions made with other generation params or for prompts no longer in "
+              f"the input to {store.stale_dir}", file=sys.stderr)
+    if plan.restored_rows:
+        print(f"restored {plan.restored_rows} completions from {store.stale_root}: the current config asks for them "
+              f"again", file=sys.stderr)
+
+
+def report_resume(inputs: InputKeys, plan: ResumePlan) -> int:
+    new, continuing = count_todo(inputs, plan)
+    done = len(inputs.keys) - new - continuing
+    more = f" ({continuing} conversations to continue)" if continuing else ""
+    print(f"{len(inputs.keys)} prompts: {done} already done, {new + continuing} to generate{more}", file=sys.stderr)
+    return new + continuing
+
+
+def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: ResumePlan, inputs: InputKeys,
               out_dir: Path, run) -> None:
     """Compacts the shards, settles errors.jsonl, writes run.json, logs the run and prints one line."""
     store.compact()  # keeps every row: what is done is what was done plus this run's completions
-    all_done = done_before | runner.written_keys
-    n_errors = errors.close(all_done)
-    metrics = {**runner.progress.metrics(), "done_total": len(all_done), "failed_total": n_errors}
-    summary = {**metrics, "elapsed_s": runner.progress.elapsed(), "prompts": len(wanted),
-               "stale_moved": store.stale_rows}
+    n_errors = errors.close()
+    rows_total = len(plan.valid) + runner.c.done
+    metrics = {**runner.progress.metrics(), "done_total": rows_total, "failed_total": n_errors}
+    summary = {**metrics, "elapsed_s": runner.progress.elapsed(), "prompts": len(inputs.keys),
+               "stale_moved": plan.stale_rows, "restored": plan.restored_rows,
+               "quarantined_shards": len(plan.broken), "stopped_reason": runner.fatal}
     (out_dir / "run.json").write_text(json.dumps(summary, indent=2))
     run.artifact(out_dir / "run.json")
     run.artifact(out_dir / "errors.jsonl")
     run.metrics(metrics)
     c = runner.c
-    print(f"generate: {c.done} completions this run ({len(all_done)}/{len(wanted)} done), {c.errors} failed for "
-          f"good, {c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
+    print(f"generate: {c.done} completions this run ({rows_total} rows in {out_dir}), {c.errors} failed for good, "
+          f"{c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
 
 
 if __name__ == "__main__":

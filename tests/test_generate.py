@@ -190,6 +190,7 @@ def test_several_servers_share_the_load_and_a_failing_one_is_set_aside(run_stage
     # pool sets a server aside after repeated 5xx, so almost all requests land on the good one
     import asyncio
 
+    from drafter_data.generation.conversation import Conversation
     from drafter_data.generation.runner import Runner, RunSettings
     from drafter_data.server.client import make_client
     from drafter_data.server.pool import ServerPool, ServerState
@@ -197,6 +198,7 @@ def test_several_servers_share_the_load_and_a_failing_one_is_set_aside(run_stage
 
     class Store:
         rows = []
+        dir = tmp_path
 
         def write(self, rows):
             Store.rows += rows
@@ -204,6 +206,9 @@ def test_several_servers_share_the_load_and_a_failing_one_is_set_aside(run_stage
     class Errors:
         def add(self, entry):
             raise AssertionError(entry)
+
+        def resolved(self, key):
+            pass
 
     class Run:
         def metrics(self, *a, **k):
@@ -217,9 +222,9 @@ def test_several_servers_share_the_load_and_a_failing_one_is_set_aside(run_stage
         states = [ServerState(u, make_client(u, "k", 4, 30)) for u in (bad.url, good.url)]
         gen = Runner(spec, settings, ServerPool(states, 30), Store(), Errors(), Run())
         for i in range(40):
-            await gen.one({"prompt_id": str(i), "source": "s", "request_key": str(i),
-                           "messages": [{"role": "user", "content": f"q{i}"}]})
-        gen.flush()
+            prompt = {"prompt_id": str(i), "source": "s", "messages": [{"role": "user", "content": f"q{i}"}]}
+            await gen.converse(Conversation(prompt, True, bytes(16)))
+        await gen.flush()
         for s in states:
             await s.client.close()
 

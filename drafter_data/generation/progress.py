@@ -19,6 +19,9 @@ class Counters:
     errors: int = 0
     retries: int = 0
     output_tokens: int = 0
+    stopped_by_error: int = 0  # conversations whose later turns were lost with a turn that failed for good
+    stopped_at_length: int = 0  # conversations ended by a turn cut at max_tokens (its context would be cut)
+    stopped_at_tool_call: int = 0  # conversations ended by a tool call (no tool is run)
     latencies: deque = field(default_factory=lambda: deque(maxlen=2000))  # the recent ones, for percentiles
 
 
@@ -77,6 +80,8 @@ class Progress:
         lat = np.asarray(self.c.latencies) if self.c.latencies else None
         return {
             "completions": self.c.done, "errors": self.c.errors, "retries": self.c.retries,
+            "stopped_by_error": self.c.stopped_by_error, "stopped_at_length": self.c.stopped_at_length,
+            "stopped_at_tool_call": self.c.stopped_at_tool_call,
             "output_tokens_per_s": self.c.output_tokens / elapsed,
             "requests_per_s": self.c.done / elapsed,
             "latency_p50_s": float(np.percentile(lat, 50)) if lat is not None else None,

@@ -1,8 +1,9 @@
-"""The async loop of generate: `concurrency` workers take prompts from a bounded queue, send them to the server pool,
-retry faults, and hand finished rows to the completion store in small, frequent shards.
+"""The async loop of generate: workers take conversations from a bounded queue and answer them turn by turn through
+the server pool; finished rows are handed to the completion store in small, frequent shards.
 
-Stopping: the first SIGINT/SIGTERM stops sending and gives in-flight requests a grace period; what finished is
-written in every case.
+Any task that fails (the producer reading the input, the ticker writing shards, a worker) stops the run with a
+one-line reason, after what finished is saved. Signals: the first SIGINT/SIGTERM stops sending new requests and
+gives in-flight ones `grace_s`; a second one stops at once.
 """
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ from dataclasses import dataclass
 
 import orjson
 
+from drafter_data.errors import StageError
+from drafter_data.generation.conversation import Conversation, split_for_row
+from drafter_data.generation.keys import turn_key
 from drafter_data.generation.progress import Counters, Progress
-from drafter_data.server import client as sc
-from drafter_data.server.faults import RetryBudget, classify
-from drafter_data.server.pool import ServerPool
+from drafter_data.server.client import Completion, complete
+from drafter_data.server.faults import Fault, RetryBudget, backoff_s, classify
+from drafter_data.server.pool import ServerPool, ServerState
 from drafter_data.server.request import RequestSpec
 
 FLUSH_INTERVAL_S = 2.0  # a kill loses at most this much of finished work, plus what is in flight
 COMPACT_INTERVAL_S = 600.0  # merge the small shards of a days-long run as it goes
 METRICS_INTERVAL_S = 15.0
+WRITE_ATTEMPTS = 4  # a shard write that fails (disk full) is retried; then the run stops, rows kept in memory
 
 
 @dataclass
@@ -33,13 +38,20 @@ class RunSettings:
     shard_rows: int
     grace_s: float
     target: str
+    max_connection_failures: int = 6
+    max_backoff_s: float = 60.0
+    max_run_wide_failures: int = 5
+    keep_reasoning: bool = False  # generation.history_reasoning == keep
 
     @classmethod
     def from_config(cls, cfg) -> RunSettings:
         g = cfg.generate
         return cls(concurrency=int(cfg.generation.concurrency), stream=bool(g.get("stream", True)),
                    max_attempts=int(g.max_attempts), shard_rows=int(g.shard_rows), grace_s=float(g.grace_period_s),
-                   target=str(cfg.target.name))
+                   target=str(cfg.target.name), max_connection_failures=int(g.get("max_connection_failures", 6)),
+                   max_backoff_s=float(g.get("max_backoff_s", 60)),
+                   max_run_wide_failures=int(g.get("max_run_wide_failures", 5)),
+                   keep_reasoning=cfg.generation.get("history_reasoning", "drop") == "keep")
 
 
 class Runner:
@@ -47,135 +59,300 @@ class Runner:
                  assessed_tok_s: float | None = None):
         self.spec, self.settings, self.pool, self.store, self.errors, self.run = \
             spec, settings, pool, store, errors, run
-        self.row_extra = {"model": spec.model, "thinking": spec.thinking, "target": settings.target, "turn": 0}
         self.pending: list[dict] = []
-        self.written_keys: set[str] = set()
         self.c = Counters()
         self.progress = Progress(0, self.c, assessed_tok_s)
-        self.stopping = asyncio.Event()
+        self.stopping = asyncio.Event()  # no new requests (first signal, or a fatal fault)
+        self.abort = asyncio.Event()  # stop now (second signal, or a fatal fault)
+        self.fatal: str | None = None
         self.signal: int | None = None
+        self.run_wide_streak = 0
+        self._write_lock = asyncio.Lock()
+        self._flush_due = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
+        self._tracking_errors: set[str] = set()
 
-    async def one(self, item: dict) -> None:
-        """One prompt until it is a completion (pending, written at the next flush) or a line in errors.jsonl.
-        A server that cannot be reached costs no attempt: the request waits for a server (pool.acquire)."""
-        budget = RetryBudget(self.settings.max_attempts)
-        tools = orjson.loads(item["tools"]) if item.get("tools") else None
-        while True:
+    # --- one conversation ------------------------------------------------------------------------------------
+
+    async def converse(self, conv: Conversation) -> None:
+        """Every turn left of one conversation, in order; a turn that fails for good, is cut by max_tokens, or
+        ends in a tool call ends the conversation (no tool is run)."""
+        while conv.turn < conv.turns and not self.stopping.is_set():
+            sent = conv.messages_for_turn()
+            done = await self.request(conv, sent)
+            if done is None:
+                if conv.failed and conv.turn + 1 < conv.turns:
+                    self.c.stopped_by_error += 1
+                return
+            answer = self.record(conv, sent, done)
+            if conv.turn + 1 >= conv.turns:
+                return
+            if done.finish_reason == "length":
+                self.c.stopped_at_length += 1
+                return
+            if done.finish_reason == "tool_calls" or done.tool_calls:
+                self.c.stopped_at_tool_call += 1
+                return
+            conv.advance(sent, answer, self.settings.keep_reasoning,
+                         turn_key(conv.key, conv.turn + 1, answer, self.settings.keep_reasoning))
+
+    async def request(self, conv: Conversation, sent: list[dict]) -> Completion | None:
+        """One turn until it is answered; None when it failed for good (written to errors.jsonl, conv.failed) or
+        the run is stopping (left for the next run). A server that cannot be reached costs no attempt."""
+        budget = RetryBudget(self.settings.max_attempts, self.settings.max_connection_failures,
+                             self.settings.max_backoff_s)
+        tools = conv.tools()
+        while not self.stopping.is_set():
             server = await self.pool.acquire()
             server.outstanding += 1
             try:
-                done = await sc.complete(server.client, self.spec, item["messages"], tools,
-                                         stream=self.settings.stream)
+                done = await complete(server.client, self.spec, sent, tools, thinking=conv.thinking,
+                                      stream=self.settings.stream)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - every fault is classified below
-                fault = classify(exc)
+                fault = classify(exc).at(server.url)
             else:
                 self.pool.succeeded(server)
-                self.record(item, done)
-                return
+                self.run_wide_streak = 0
+                return done
             finally:
                 server.outstanding -= 1
             self.c.retries += 1
-            if fault.kind == "server_down":
-                self.pool.failed(server, hard=True)
+            self.note_fault(server, fault)
+            if fault.kind == "run_wide":
+                await self.pause(min(backoff_s(self.run_wide_streak), self.settings.max_backoff_s))
                 continue
-            if fault.kind != "permanent":
-                self.pool.failed(server, hard=False)
             wait = budget.next_wait(fault)
             if wait is None:
-                reason = fault.reason if fault.kind == "permanent" else \
-                    f"gave up after {budget.attempts} attempts: {fault.reason}"
-                return self.error(item, reason, budget.attempts)
-            await asyncio.sleep(wait)
+                conv.failed = True
+                self.error(conv, budget.gave_up(fault), budget.attempts + budget.connection_failures)
+                return None
+            await self.pause(wait)
+        return None
 
-    def record(self, item: dict, done: sc.Completion) -> None:
+    def note_fault(self, server: ServerState, fault: Fault) -> None:
+        if fault.kind in ("unreachable", "dropped"):
+            self.pool.failed(server, hard=True)
+            return
+        if fault.answered:
+            self.pool.answered(server)
+        if fault.kind == "retry":
+            self.pool.failed(server, hard=False)
+        if fault.kind == "run_wide":
+            self.run_wide_streak += 1
+            if self.run_wide_streak >= self.settings.max_run_wide_failures:
+                self.fail(f"{self.run_wide_streak} requests in a row failed the same way, so no request can "
+                          f"succeed: {fault.reason}")
+
+    async def pause(self, seconds: float) -> None:
+        """Sleeps, but wakes at once when the run stops (no new attempt starts during the grace period)."""
+        await _sleep_unless(self.stopping, seconds)
+
+    def record(self, conv: Conversation, sent: list[dict], done: Completion) -> dict:
+        messages, extras = split_for_row(sent)
+        tool_calls = orjson.dumps(done.tool_calls).decode() if done.tool_calls else None
+        key_hex = conv.key.hex()
         self.pending.append({
-            "prompt_id": item["prompt_id"], "source": item["source"], "messages": item["messages"],
-            "tools": item.get("tools"), "reasoning": done.reasoning, "content": done.content,
-            "finish_reason": done.finish_reason, "prompt_tokens": done.prompt_tokens,
-            "completion_tokens": done.completion_tokens, "length_stop_in": done.length_stop_in,
-            "request_key": item["request_key"], "latency_s": round(done.latency_s, 4), **self.row_extra,
+            "prompt_id": conv.prompt["prompt_id"], "source": conv.prompt["source"], "messages": messages,
+            "tools": conv.prompt.get("tools"), "message_extras": extras, "turns": conv.turns, "turn": conv.turn,
+            "reasoning": done.reasoning, "content": done.content, "finish_reason": done.finish_reason,
+            "prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "tool_calls": tool_calls, "prompt_token_ids": done.prompt_token_ids,
+            "completion_token_ids": done.completion_token_ids, "length_stop_in": done.length_stop_in,
+            "request_key": key_hex, "parent_key": conv.parent_key.hex() if conv.parent_key else None,
+            "model": self.spec.model, "thinking": conv.thinking, "target": self.settings.target,
+            "latency_s": round(done.latency_s, 4),
         })
+        self.errors.resolved(key_hex)
         self.c.done += 1
         self.c.output_tokens += done.completion_tokens
         self.c.latencies.append(done.latency_s)
         if len(self.pending) >= self.settings.shard_rows:
-            self.flush()
+            self._flush_due.set()
+        return {"reasoning": done.reasoning, "content": done.content, "tool_calls": tool_calls}
 
-    def error(self, item: dict, reason: str, attempts: int) -> None:
+    def error(self, conv: Conversation, reason: str, attempts: int) -> None:
         self.c.errors += 1
-        self.errors.add({"prompt_id": item["prompt_id"], "request_key": item["request_key"], "reason": reason,
-                         "attempts": attempts, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.errors.add({"prompt_id": conv.prompt["prompt_id"], "turn": conv.turn, "request_key": conv.key.hex(),
+                         "reason": reason, "attempts": attempts, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
-    def flush(self) -> None:
-        rows, self.pending = self.pending, []
-        self.store.write(rows)
-        self.written_keys.update(r["request_key"] for r in rows)
+    def fail(self, reason: str) -> None:
+        """A fault that ends the run: stop at once, save what finished, exit non-zero with `reason`."""
+        if self.fatal is None:
+            self.fatal = reason
+        self.stopping.set()
+        self.abort.set()
+
+    # --- writing ---------------------------------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Pending rows to a new shard, off the event loop. Rows leave `pending` only once they are on disk; a write
+        that keeps failing ends the run (StageError) with the count of answers not saved."""
+        async with self._write_lock:
+            rows = self.pending[:]
+            if not rows:
+                return
+            for attempt in range(1, WRITE_ATTEMPTS + 1):
+                try:
+                    await self._write(rows)
+                    break
+                except OSError as exc:
+                    if attempt == WRITE_ATTEMPTS:
+                        raise StageError(f"cannot write completions to {self.store.dir} ({exc}); "
+                                         f"{len(self.pending)} answers not saved; free space and re-run to "
+                                         f"resume") from None
+                    await asyncio.sleep(0.5 * 2 ** attempt)
+            self._flush_due.clear()
+
+    async def _write(self, rows: list[dict]) -> None:
+        """One shard write in a thread. It cannot be abandoned half-way: if the flushing task is cancelled, the
+        write is still awaited to its end (and its rows leave `pending`) before the cancel goes on."""
+        write = asyncio.ensure_future(asyncio.to_thread(self.store.write, rows))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await write
+            del self.pending[:len(rows)]
+            raise
+        del self.pending[:len(rows)]
+
+    async def compact(self) -> None:
+        try:
+            await asyncio.to_thread(self.store.compact)
+        except OSError as exc:  # the rows are safe in their small shards; the next compaction tries again
+            print(f"warning: compacting {self.store.dir} failed: {exc}", file=sys.stderr)
+
+    def track(self, values: dict, step: int) -> None:
+        """Metrics to MLflow off the event loop; best-effort: a failure is reported once and never stops the run."""
+        def send():
+            try:
+                self.run.metrics(values, step=step, flush_every_s=METRICS_INTERVAL_S)
+            except Exception as exc:  # noqa: BLE001 - tracking must never stop generation
+                message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                if message not in self._tracking_errors:
+                    self._tracking_errors.add(message)
+                    print(f"\nwarning: MLflow logging failed ({message}); generation goes on", file=sys.stderr)
+
+        if not any(t.get_name() == "track" and not t.done() for t in self._background):
+            self._spawn(asyncio.to_thread(send), "track")
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def tick(self) -> None:
+        """Once a second: the progress bar; pending rows to disk every FLUSH_INTERVAL_S (sooner when a shard is
+        full); compaction every COMPACT_INTERVAL_S in the background; metrics to MLflow."""
+        last_flush = last_compact = time.monotonic()
+        while True:
+            await _sleep_unless(self._flush_due, 1.0)
+            now = time.monotonic()
+            self.progress.update()
+            if self._flush_due.is_set() or (now - last_flush >= FLUSH_INTERVAL_S and self.pending):
+                await self.flush()
+                last_flush = now
+            if now - last_compact >= COMPACT_INTERVAL_S and \
+                    not any(t.get_name() == "compact" and not t.done() for t in self._background):
+                self._spawn(self.compact(), "compact")
+                last_compact = now
+            self.track(self.progress.live_metrics(), int(self.progress.elapsed()))
+
+    # --- the run ---------------------------------------------------------------------------------------------
 
     async def worker(self, queue: asyncio.Queue) -> None:
         while not self.stopping.is_set():
-            item = await queue.get()
-            if item is None:
+            conv = await queue.get()
+            if conv is None:
                 return
-            await self.one(item)
+            await self.converse(conv)
 
     async def produce(self, todo, queue: asyncio.Queue, n_workers: int) -> None:
-        for item in todo:
-            await queue.put(item)
+        for conv in todo:
+            await queue.put(conv)
         for _ in range(n_workers):
             await queue.put(None)
 
     async def run_all(self, todo, total: int) -> None:
-        """Runs every prompt of `todo` (an iterator of `total`). On a stop request the producer is cancelled and the
-        workers get the grace period; pending rows are flushed in every case."""
-        conc = self.settings.concurrency
-        queue: asyncio.Queue = asyncio.Queue(maxsize=conc * 2)
+        """Every conversation of `todo` (an iterator of `total`). Raises StageError when a task failed or a fault
+        ended the run; pending rows are flushed in every case."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.request_stop, sig)
-        progress = self.progress
-        progress.start(total)
-        workers = [asyncio.create_task(self.worker(queue)) for _ in range(conc)]
-        producer = asyncio.create_task(self.produce(todo, queue, conc))
-        ticker = asyncio.create_task(self.tick(progress))
-        stop_waiter = asyncio.create_task(self.stopping.wait())
-        all_workers = asyncio.gather(*workers)
+            loop.add_signal_handler(sig, self.on_signal, sig)
+        n = self.settings.concurrency
+        queue: asyncio.Queue = asyncio.Queue(maxsize=n * 2)
+        self.progress.start(total)
+        workers = [asyncio.create_task(self.worker(queue), name="worker") for _ in range(n)]
+        producer = asyncio.create_task(self.produce(todo, queue, n), name="reading the input")
+        ticker = asyncio.create_task(self.tick(), name="writing shards")
         try:
-            await asyncio.wait([all_workers, stop_waiter], return_when=asyncio.FIRST_COMPLETED)
-            if self.stopping.is_set():
-                producer.cancel()
-                _, still = await asyncio.wait(workers, timeout=self.settings.grace_s)
-                for w in still:
-                    w.cancel()
-            elif all_workers.exception() is not None:
-                raise all_workers.exception()
+            await self.supervise(producer, ticker, workers)
         finally:
-            for task in (producer, ticker, stop_waiter, *workers):
+            tasks = [producer, ticker, *workers, *self._background]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(producer, ticker, stop_waiter, *workers, return_exceptions=True)
-            self.flush()
-            progress.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await self.flush()
+            finally:
+                self.progress.close()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+        if self.fatal:
+            raise StageError(self.fatal)
 
-    def request_stop(self, sig) -> None:
-        if not self.stopping.is_set():
-            self.signal = sig
-            print(f"\n{signal.Signals(sig).name}: stopping; in-flight requests get {self.settings.grace_s:.0f} s",
-                  file=sys.stderr)
+    async def supervise(self, producer: asyncio.Task, ticker: asyncio.Task, workers: list[asyncio.Task]) -> None:
+        """Waits for the workers; returns at once when any task fails or on abort, and after the grace period
+        once stopping."""
+        loop = asyncio.get_running_loop()
+        remaining, watched = set(workers), {producer, ticker}
+        events = {asyncio.create_task(self.stopping.wait()), asyncio.create_task(self.abort.wait())}
+        deadline = None
+        try:
+            while remaining and not self.abort.is_set():
+                timeout = None if deadline is None else max(0.0, deadline - loop.time())
+                done, _ = await asyncio.wait(remaining | watched | {e for e in events if not e.done()},
+                                             timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for task in done & (remaining | watched):
+                    if not task.cancelled() and task.exception() is not None:
+                        self.fail(_one_line(task.get_name(), task.exception()))
+                remaining -= done
+                watched -= done
+                if self.stopping.is_set() and deadline is None:
+                    deadline = loop.time() + self.settings.grace_s
+                    producer.cancel()
+                if deadline is not None and loop.time() >= deadline:
+                    return
+        finally:
+            for e in events:
+                e.cancel()
+
+    def on_signal(self, sig) -> None:
+        name = signal.Signals(sig).name
+        if self.stopping.is_set():
+            print(f"\n{name} again: stopping now; finished rows are saved", file=sys.stderr)
+            self.abort.set()
+            return
+        self.signal = sig
+        print(f"\n{name}: no new requests; in-flight ones get up to {self.settings.grace_s:.0f} s to finish "
+              f"({name} again to stop now)", file=sys.stderr)
         self.stopping.set()
 
-    async def tick(self, progress: Progress) -> None:
-        """Once a second: the progress bar; every FLUSH_INTERVAL_S the pending rows to disk; every
-        COMPACT_INTERVAL_S a compaction of small shards; metrics to MLflow in batches."""
-        last_flush = last_compact = time.monotonic()
-        while True:
-            await asyncio.sleep(1.0)
-            now = time.monotonic()
-            progress.update()
-            if now - last_flush >= FLUSH_INTERVAL_S and self.pending:
-                self.flush()
-                last_flush = now
-            if now - last_compact >= COMPACT_INTERVAL_S:
-                self.store.compact()
-                last_compact = now
-            self.run.metrics(progress.live_metrics(), step=int(progress.elapsed()), flush_every_s=METRICS_INTERVAL_S)
+
+async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
+    """Sleeps `seconds` or until `event` is set. (Not wait_for: on Python 3.11 it can lose a cancel that arrives
+    together with its timeout, which left a run hanging at its end.)"""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=max(0.0, seconds))
+    finally:
+        waiter.cancel()
+
+
+def _one_line(task_name: str, exc: BaseException) -> str:
+    if isinstance(exc, StageError):
+        return str(exc)
+    return f"{task_name} failed: {type(exc).__name__}: {exc}".splitlines()[0]
+

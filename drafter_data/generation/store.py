@@ -1,75 +1,126 @@
 """The generate stage's output directory as a crash-safe store of completions, keyed by request identity.
 
-Shards are written whole or not at all (write, fsync, rename). On start, `scan` makes the directory consistent
-after any kill: leftover temp files are removed, a request that appears twice (a kill during compaction) is kept
-once, and rows that the current config would not produce (other generation params, prompts no longer in the input)
-are moved out to a sibling `<output>.stale/` directory: kept, because they cost GPU time, but never reused silently.
+Shards are written whole or not at all (write, fsync, rename). A resume first *plans* (reads only the key columns,
+changes nothing) and, once preflight has passed, *applies* the plan:
+- rows the current config would not produce (other generation params, prompts no longer in the input, a turn built
+  on another answer) are moved to `<output>.stale/<run>/`: kept, because they cost GPU time, never reused silently;
+- rows in `.stale/` that the current config wants again are moved back (reverting a config change costs nothing);
+- a request that appears twice (a kill during compaction, or two writers) is kept once;
+- a shard that cannot be read is moved to `<output>.quarantine/<run>/` and its prompts are generated again.
 """
 from __future__ import annotations
 
-import os
 import shutil
+import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from drafter_data.contract import COMPLETIONS, shard_paths, write_table_atomic
+from drafter_data.generation.keys import KEY_DTYPE, KeySet, hex_column
 
 SHARD_PREFIX = "completions-"
+PLAN_COLUMNS = ["request_key", "parent_key", "turn", "turns", "finish_reason"]
+
+
+@dataclass
+class ShardKeys:
+    """The plan's view of one shard: its keys and what each row is."""
+
+    path: Path
+    stale_source: bool  # a shard of .stale/ (a candidate for restoring)
+    keys: np.ndarray
+    parents: np.ndarray
+    turns_done: np.ndarray  # the row's turn
+    turns_total: np.ndarray  # the conversation's number of turns
+    stopped: np.ndarray  # finish_reason == "stop": the conversation may go on
+
+
+@dataclass
+class ResumePlan:
+    valid: KeySet  # every request key already done for the current config (all turns)
+    done0: KeySet  # turn-0 keys done: their conversations need nothing, unless listed in `continue_rows`
+    continue_rows: list[dict]  # the last finished turn of each conversation that has turns left
+    keep: dict[Path, tuple[np.ndarray, bool]] = field(default_factory=dict)  # main shard: (rows that stay, any stale)
+    restore: dict[Path, np.ndarray] = field(default_factory=dict)  # per .stale shard: rows to move back
+    broken: list[tuple[Path, str]] = field(default_factory=list)
+    stale_rows: int = 0
+    duplicate_rows: int = 0
+    restored_rows: int = 0
 
 
 class CompletionStore:
     def __init__(self, out_dir: Path, compact_rows: int = 20000):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        # unique per store: a new shard never takes the name of an existing one (which scan may be moving)
+        # unique per store: a new shard never takes the name of an existing one (which a plan may be moving)
         self.run_tag = time.strftime("%Y%m%dT%H%M%S") + f"-{uuid.uuid4().hex[:8]}"
         self.compact_rows = compact_rows
         self._seq = 0
-        self.stale_rows = 0
-        self.duplicate_rows = 0
+        self._seq_lock = threading.Lock()  # flushes and compaction run in threads
+
+    @property
+    def stale_root(self) -> Path:
+        return self.dir.with_name(self.dir.name + ".stale")
 
     @property
     def stale_dir(self) -> Path:
-        return self.dir.with_name(self.dir.name + ".stale") / self.run_tag
+        return self.stale_root / self.run_tag
+
+    @property
+    def quarantine_dir(self) -> Path:
+        return self.dir.with_name(self.dir.name + ".quarantine") / self.run_tag
 
     def _next_path(self, kind: str = "") -> Path:
-        self._seq += 1
-        return self.dir / f"{SHARD_PREFIX}{self.run_tag}{kind}-{self._seq:06d}.parquet"
+        with self._seq_lock:
+            self._seq += 1
+            return self.dir / f"{SHARD_PREFIX}{self.run_tag}{kind}-{self._seq:06d}.parquet"
 
     def shards(self) -> list[Path]:
         return shard_paths(self.dir, SHARD_PREFIX)
 
-    def scan(self, current_keys: set[str]) -> set[str]:
-        """Returns the request keys already done for the current config; repairs the directory on the way."""
+    def plan(self, wanted0: KeySet) -> ResumePlan:
+        """What is done for the current config (wanted0: the turn-0 keys of the input prompts), and what a resume
+        must move; reads key columns only and changes nothing but leftover temp files."""
         for leftover in self.dir.glob(".*.tmp-*"):
             leftover.unlink()
-        done: set[str] = set()
-        for path in self.shards():
-            keys = pq.read_table(path, columns=["request_key"]).column("request_key").to_pylist()
-            fresh = [k in current_keys and k not in done for k in keys]
-            is_stale = [k not in current_keys for k in keys]
-            if all(fresh):
-                done.update(keys)
-                continue
-            table = pq.read_table(path)
-            good = table.filter(pa.array(fresh))
-            if good.num_rows:
-                write_table_atomic(good, self._next_path())
-                done.update(good.column("request_key").to_pylist())
-            n_stale = sum(is_stale)
-            self.stale_rows += n_stale
-            self.duplicate_rows += len(keys) - good.num_rows - n_stale
-            if n_stale:
+        shards, broken = [], []
+        stale_paths = sorted(self.stale_root.rglob(f"{SHARD_PREFIX}*.parquet")) if self.stale_root.exists() else []
+        for path, from_stale in [(p, False) for p in self.shards()] + [(p, True) for p in stale_paths]:
+            try:
+                shards.append(_read_keys(path, from_stale))
+            except Exception as exc:  # noqa: BLE001 - any unreadable shard: quarantined, never a crash
+                if not from_stale:
+                    broken.append((path, f"{type(exc).__name__}: {exc}"))
+        return _plan(shards, wanted0, broken)
+
+    def apply(self, plan: ResumePlan) -> None:
+        """Carries out a plan: quarantine, rewrite/move aside, restore. Each step writes before it removes, so a
+        kill at any point leaves at worst duplicates, which the next plan drops."""
+        for path, _ in plan.broken:
+            self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(path), self.quarantine_dir / path.name)
+        for path, (keep, has_stale) in plan.keep.items():
+            if keep.any():
+                write_table_atomic(_conform(pq.read_table(path).filter(pa.array(keep))), self._next_path())
+            if has_stale:
                 self.stale_dir.mkdir(parents=True, exist_ok=True)
                 shutil.move(str(path), self.stale_dir / path.name)
+            else:  # only duplicates of rows kept elsewhere
+                path.unlink()
+        for path, back in plan.restore.items():
+            table = pq.read_table(path)
+            write_table_atomic(_conform(table.filter(pa.array(back))), self._next_path("r"))
+            rest = table.filter(pa.array(~back))
+            if rest.num_rows:
+                write_table_atomic(rest, path)
             else:
                 path.unlink()
-        return done
 
     def write(self, rows: list[dict]) -> Path | None:
         if not rows:
@@ -80,51 +131,84 @@ class CompletionStore:
 
     def compact(self) -> None:
         """Merges small shards into shards of about compact_rows: few files for DVC to hash and a fast resume. New
-        shards are written before the old ones are removed; a kill in between leaves duplicates that scan drops."""
+        shards are written before the old ones are removed; a kill in between leaves duplicates that plan drops."""
         small = [p for p in self.shards() if pq.ParquetFile(p).metadata.num_rows < self.compact_rows]
         if len(small) < 2:
             return
-        batch, rows = [], 0
-        merged_from: list[Path] = []
+        batch, rows, merged_from = [], 0, []
         for path in small:
-            batch.append(pq.read_table(path))
+            batch.append(_conform(pq.read_table(path)))
             merged_from.append(path)
             rows += batch[-1].num_rows
-            if rows >= self.compact_rows:
-                write_table_atomic(pa.concat_tables(batch), self._next_path("c"))
-                for p in merged_from:
-                    p.unlink()
+            if rows >= self.compact_rows or path == small[-1]:
+                if len(merged_from) > 1:
+                    write_table_atomic(pa.concat_tables(batch), self._next_path("c"))
+                    for p in merged_from:
+                        p.unlink()
                 batch, rows, merged_from = [], 0, []
-        if len(merged_from) > 1:
-            write_table_atomic(pa.concat_tables(batch), self._next_path("c"))
-            for p in merged_from:
-                p.unlink()
 
 
-class ErrorLog:
-    """errors.jsonl: requests that failed for good, with the reason. Appended live (one line per failure, flushed);
-    rewritten at the end of a run to the latest entry of each request that still has no completion."""
+def _conform(table: pa.Table) -> pa.Table:
+    """A shard written by an older release, as today's schema (missing columns null)."""
+    if table.schema.equals(COMPLETIONS):
+        return table
+    columns = [table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+               for f in COMPLETIONS]
+    return pa.table(columns, schema=COMPLETIONS)
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._fh = open(self.path, "ab")
 
-    def add(self, entry: dict) -> None:
-        self._fh.write(orjson.dumps(entry) + b"\n")
-        self._fh.flush()
+def _read_keys(path: Path, from_stale: bool) -> ShardKeys:
+    names = set(pq.read_schema(path).names)
+    table = pq.read_table(path, columns=[c for c in PLAN_COLUMNS if c in names])
+    n = table.num_rows
 
-    def close(self, done_keys: set[str]) -> int:
-        self._fh.close()
-        latest = {}
-        for line in self.path.read_bytes().splitlines():
-            try:
-                entry = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue  # a line cut by a kill
-            if entry.get("request_key") not in done_keys:
-                latest[entry.get("request_key")] = entry
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in latest.values()))
-        os.replace(tmp, self.path)
-        return len(latest)
+    def ints(name: str, default: int) -> np.ndarray:
+        if name not in names:
+            return np.full(n, default, dtype=np.int32)
+        return table.column(name).fill_null(default).to_numpy().astype(np.int32)
 
+    parents = hex_column(table.column("parent_key").to_pylist()) if "parent_key" in names else \
+        np.zeros(n, KEY_DTYPE)
+    stopped = np.asarray([f == "stop" for f in table.column("finish_reason").to_pylist()], dtype=bool)
+    return ShardKeys(path, from_stale, hex_column(table.column("request_key").to_pylist()), parents,
+                     ints("turn", 0), np.maximum(ints("turns", 1), 1), stopped)
+
+
+def _plan(shards: list[ShardKeys], wanted0: KeySet, broken: list) -> ResumePlan:
+    """Validity by turn: a turn-0 row is valid when its key is wanted; a turn-k row when its parent is a valid
+    turn-(k-1) row. The first copy of a key wins (main shards before .stale)."""
+    cat = lambda attr, dtype: np.concatenate([getattr(s, attr) for s in shards]) if shards else np.zeros(0, dtype)  # noqa: E731
+    keys, parents, turn = cat("keys", KEY_DTYPE), cat("parents", KEY_DTYPE), cat("turns_done", np.int32)
+    first = np.zeros(len(keys), dtype=bool)
+    if len(keys):
+        first[np.unique(keys, return_index=True)[1]] = True
+    valid = first & (turn == 0) & wanted0.contains(keys)
+    for t in range(1, int(turn.max()) + 1 if len(turn) else 1):
+        level = first & (turn == t)
+        valid |= level & KeySet(keys[valid & (turn == t - 1)]).contains(parents)
+    has_child = KeySet(parents[valid & (turn > 0)]).contains(keys)
+    goes_on = valid & ~has_child & cat("stopped", bool) & (turn < cat("turns_total", np.int32) - 1)
+    plan = ResumePlan(valid=KeySet(keys[valid]), done0=KeySet(keys[valid & (turn == 0)]), continue_rows=[],
+                      broken=broken)
+    offset = 0
+    for s in shards:
+        rows = slice(offset, offset + len(s.keys))
+        offset += len(s.keys)
+        _shard_actions(plan, s, valid[rows], first[rows], goes_on[rows])
+    return plan
+
+
+def _shard_actions(plan: ResumePlan, s: ShardKeys, valid: np.ndarray, first: np.ndarray, goes_on: np.ndarray):
+    if goes_on.any():
+        table = pq.read_table(s.path).filter(pa.array(goes_on))
+        plan.continue_rows += _conform(table).to_pylist()
+    if s.stale_source:
+        if valid.any():
+            plan.restore[s.path] = valid
+            plan.restored_rows += int(valid.sum())
+        return
+    if not valid.all():
+        stale = int((first & ~valid).sum())
+        plan.keep[s.path] = (valid, stale > 0)
+        plan.duplicate_rows += int((~first).sum())
+        plan.stale_rows += stale

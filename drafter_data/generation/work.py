@@ -1,32 +1,102 @@
-"""What generate has to do: the request key of each input prompt, and the prompts without a completion yet."""
+"""What generate has to do: each input prompt's turn-0 request key and thinking mode (computed once, kept as compact
+arrays in input order), and the conversations that are not finished yet."""
 from __future__ import annotations
 
-import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
-from drafter_data.contract import iter_batches
+import numpy as np
+import pyarrow.parquet as pq
+
+from drafter_data.contract import PROMPTS, iter_batches
+from drafter_data.generation.conversation import Conversation, prompt_messages
+from drafter_data.generation.keys import KEY_DTYPE, request_key, thinking_share, turn_key
+from drafter_data.generation.store import ResumePlan
+from drafter_data.server.request import RequestSpec
+
+READ_COLUMNS = [f.name for f in PROMPTS]
 
 
-def request_key(prompt_id: str, identity: bytes) -> str:
-    """A completion's identity: the prompt (prompt_id is the content hash of its messages and tools) and everything
-    else that determines the answer (RequestSpec.identity)."""
-    return hashlib.blake2b(prompt_id.encode() + b"\0" + identity, digest_size=16).hexdigest()
+@dataclass
+class ThinkingModes:
+    """Which prompts think: every one in `default`, or (ratio set) the share below `ratio` of a seeded hash."""
+
+    default: bool
+    ratio: float | None
+    seed: int
+
+    @classmethod
+    def from_config(cls, generation) -> ThinkingModes:
+        ratio = generation.get("thinking_ratio")
+        return cls(bool(generation.thinking), None if ratio is None else float(ratio), int(generation.get("seed") or 0))
+
+    def of(self, prompt_id: str) -> bool:
+        return self.default if self.ratio is None else thinking_share(prompt_id, self.seed) < self.ratio
+
+    def label(self) -> str:
+        if self.ratio is None:
+            return "on" if self.default else "off"
+        return "mix"
 
 
-def current_keys(paths: list[Path], identity: bytes) -> set[str]:
-    """The request keys of every input prompt; reads the prompt_id column only (fast over millions)."""
-    keys = set()
+@dataclass
+class InputKeys:
+    keys: np.ndarray  # S16, turn-0 request key per input prompt, in input order
+    thinking: np.ndarray  # bool, the mode of each prompt
+
+
+def input_keys(paths: list[Path], spec: RequestSpec, target: str, modes: ThinkingModes) -> InputKeys:
+    """Reads the prompt_id column only (fast over millions)."""
+    identity = {True: spec.identity(target, thinking=True), False: spec.identity(target, thinking=False)}
+    keys, thinking = [], []
     for batch in iter_batches(paths, columns=["prompt_id"], batch_size=65536):
-        keys.update(request_key(pid, identity) for pid in batch.column(0).to_pylist())
-    return keys
+        for pid in batch.column(0).to_pylist():
+            mode = modes.of(pid)
+            thinking.append(mode)
+            keys.append(request_key(pid, identity[mode]))
+    return InputKeys(np.frombuffer(b"".join(keys), dtype=KEY_DTYPE) if keys else np.zeros(0, KEY_DTYPE),
+                     np.asarray(thinking, dtype=bool))
 
 
-def iter_todo(paths: list[Path], identity: bytes, done: set[str]):
-    """The input prompts without a completion yet, in input order; Python rows are built only for those."""
-    for batch in iter_batches(paths, columns=["prompt_id", "source", "messages", "tools"], batch_size=4096):
-        keys = [request_key(pid, identity) for pid in batch.column(0).to_pylist()]
-        todo = [i for i, k in enumerate(keys) if k not in done]
-        if todo:
-            for i, row in zip(todo, batch.take(todo).to_pylist()):
-                row["request_key"] = keys[i]
-                yield row
+def iter_todo(paths: list[Path], inputs: InputKeys, plan: ResumePlan, keep_reasoning: bool):
+    """The conversations with turns left, in input order: new ones from turn 0, started ones from their next turn.
+    Python rows are built only for those."""
+    continuing = {row["prompt_id"]: row for row in plan.continue_rows}
+    todo_mask = ~plan.done0.contains(inputs.keys)
+    if continuing:
+        todo_mask |= np.isin(_prompt_ids(paths), list(continuing))
+    offset = 0
+    for batch in iter_batches(paths, columns=_columns(paths[0]) if paths else None, batch_size=4096):
+        rows = np.flatnonzero(todo_mask[offset: offset + batch.num_rows])
+        for i, prompt in zip(rows, batch.take(rows).to_pylist() if len(rows) else []):
+            key, thinking = inputs.keys[offset + i: offset + i + 1].tobytes(), bool(inputs.thinking[offset + i])
+            conv = Conversation(prompt, thinking, key)
+            if prompt["prompt_id"] in continuing:
+                resume_from(conv, continuing[prompt["prompt_id"]], keep_reasoning)
+            yield conv
+        offset += batch.num_rows
+
+
+def resume_from(conv: Conversation, last: dict, keep_reasoning: bool) -> None:
+    """Continue after the last finished turn `last` (a completions row) of this conversation."""
+    conv.turn = int(last["turn"])
+    conv.key = bytes.fromhex(last["request_key"])
+    conv.sent = prompt_messages(last)
+    answer = {"reasoning": last["reasoning"], "content": last["content"], "tool_calls": last["tool_calls"]}
+    conv.advance(conv.sent, answer, keep_reasoning, turn_key(conv.key, conv.turn + 1, answer, keep_reasoning))
+
+
+def count_todo(inputs: InputKeys, plan: ResumePlan) -> tuple[int, int]:
+    """(conversations not started, conversations to continue)."""
+    return int((~plan.done0.contains(inputs.keys)).sum()), len(plan.continue_rows)
+
+
+def _columns(path: Path) -> list[str]:
+    names = set(pq.read_schema(path).names)
+    return [c for c in READ_COLUMNS if c in names]
+
+
+def _prompt_ids(paths: list[Path]) -> np.ndarray:
+    return np.concatenate([b.column(0).to_numpy(zero_copy_only=False)
+                           for b in iter_batches(paths, columns=["prompt_id"], batch_size=65536)])
+

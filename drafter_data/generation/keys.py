@@ -1,0 +1,66 @@
+"""Request keys: a completion's identity, as 16-byte digests kept in compact numpy arrays (millions of prompts cost
+16 bytes each, not a Python object each).
+
+Turn 0 of a prompt is keyed by its prompt_id (the content hash of its messages and tools) and everything else that
+determines the answer (RequestSpec.identity). Turn k > 0 is keyed by the key of turn k-1 and the answer the target
+gave there, so a resumed run never redoes a finished turn and never builds turn k on a different turn k-1.
+"""
+from __future__ import annotations
+
+import binascii
+import hashlib
+
+import numpy as np
+import orjson
+
+KEY_DTYPE = "S16"  # compares and sorts as raw bytes; read a key out as arr[i:i+1].tobytes() (an item drops
+# trailing zero bytes)
+
+
+def request_key(prompt_id: str, identity: bytes) -> bytes:
+    return hashlib.blake2b(prompt_id.encode() + b"\0" + identity, digest_size=16).digest()
+
+
+def turn_key(parent: bytes, turn: int, answer: dict, keep_reasoning: bool) -> bytes:
+    """The key of turn `turn`, which continues the conversation after `answer` (the previous turn's reasoning,
+    content and tool calls as the target gave them), sent back with or without its reasoning."""
+    payload = orjson.dumps([turn, answer.get("reasoning"), answer.get("content"), answer.get("tool_calls"),
+                            keep_reasoning])
+    return hashlib.blake2b(parent + b"\1" + payload, digest_size=16).digest()
+
+
+def thinking_share(prompt_id: str, seed: int) -> float:
+    """A seeded, machine-independent number in [0, 1) per prompt: prompts below generation.thinking_ratio think."""
+    digest = hashlib.blake2b(f"thinking\0{seed}\0{prompt_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def to_hex(key: bytes) -> str:
+    return key.hex()
+
+
+def hex_column(values) -> np.ndarray:
+    """A column of 32-character hex keys (None where absent) as an S16 array (absent: 16 zero bytes)."""
+    values = list(values)
+    joined = b"".join((v.encode() if v else b"0" * 32) for v in values)
+    return np.frombuffer(binascii.unhexlify(joined), dtype=KEY_DTYPE) if values else np.zeros(0, KEY_DTYPE)
+
+
+class KeySet:
+    """A sorted array of unique keys with vectorized membership (np.searchsorted); 16 bytes per key."""
+
+    def __init__(self, keys: np.ndarray | None = None):
+        self.keys = np.unique(keys) if keys is not None and len(keys) else np.zeros(0, KEY_DTYPE)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        if not len(self.keys) or not len(keys):
+            return np.zeros(len(keys), dtype=bool)
+        pos = np.searchsorted(self.keys, keys)
+        pos[pos == len(self.keys)] = 0
+        return self.keys[pos] == keys
+
+    def __contains__(self, key: bytes) -> bool:
+        return bool(self.contains(np.array([key], dtype=KEY_DTYPE))[0])
