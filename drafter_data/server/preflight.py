@@ -33,7 +33,7 @@ class ServerFeatures:
 
 
 async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, stream: bool,
-                    max_backoff_s: float = 10.0) -> ServerFeatures:
+                    max_backoff_s: float = 5.0) -> ServerFeatures:
     """The server answers, serves the model, does chat completions, (thinking on) returns reasoning, and (with
     spec.token_ids on) returns whole token ids. Raises StageError otherwise."""
     url = redact_url(base_url)
