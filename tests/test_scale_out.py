@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -68,14 +69,50 @@ def two_llama_servers():
             kill_group(proc)
 
 
-def kill_once_it_has_answered(victim: tuple[subprocess.Popen, str], generate: subprocess.Popen,
-                              answers: int = 2) -> int:
-    """SIGKILLs the victim's process group once it has generated `answers` full answers; returns its token count
-    just before. Fails if generate ended first (the kill must land mid-run)."""
+class GenerateProcess:
+    """python -m stages.generate in its own process group, its stderr read as it comes."""
+
+    def __init__(self, args: list[str], mlflow_uri: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "stages.generate", *args], cwd=REPO, text=True,
+                                     env={**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri},
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self.lines: list[str] = []
+        self.generating = threading.Event()  # preflight passed, the prompts are being sent
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if " to generate" in line:
+                self.generating.set()
+
+    def stderr(self) -> str:
+        return "".join(self.lines)[-3000:]
+
+    def wait_until_generating(self, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.generating.wait(0.05):
+            assert self.proc.poll() is None, f"generate ended before sending prompts:\n{self.stderr()}"
+            assert time.monotonic() < deadline, f"generate never started sending:\n{self.stderr()}"
+
+    def finish(self, timeout_s: float = 180) -> int:
+        try:
+            self.proc.wait(timeout_s)
+        finally:
+            kill_group(self.proc)
+            self.reader.join(10)
+        return self.proc.returncode
+
+
+def kill_after_answers(victim: tuple[subprocess.Popen, str], generate: GenerateProcess, since: int,
+                       answers: int = 2) -> int:
+    """SIGKILLs the victim's process group once it has generated `answers` more full answers than `since` tokens;
+    returns its count just before. Fails if generate ended first: the kill must land mid-run."""
     proc, url = victim
     deadline = time.monotonic() + 90
-    while (done := tokens_predicted(url)) < answers * MAX_TOKENS:
-        assert generate.poll() is None, f"generate ended before the kill:\n{generate.stderr.read()}"
+    while (done := tokens_predicted(url)) < since + answers * MAX_TOKENS:
+        assert generate.proc.poll() is None, f"generate ended before the kill:\n{generate.stderr()}"
         assert time.monotonic() < deadline, "the first server never answered"
         time.sleep(0.05)
     kill_group(proc)
@@ -86,29 +123,29 @@ def test_one_of_two_real_servers_killed_mid_run_every_prompt_once_survivor_carri
         two_llama_servers, tmp_path, mlflow_uri):
     (victim, victim_url), (survivor, survivor_url) = two_llama_servers
     prompts = write_prompts(tmp_path / "in", PROMPTS)
-    args = ["server=remote", f"server.base_url=[{victim_url},{survivor_url}]", "server.model=gemma-3-270m",
-            f"generate.input={tmp_path / 'in'}", f"generate.output={tmp_path / 'out'}",
-            f"generation.max_tokens={MAX_TOKENS}", f"generation.concurrency={2 * SLOTS}"]
-    generate = subprocess.Popen([sys.executable, "-m", "stages.generate", *args], cwd=REPO, text=True,
-                                env={**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+    generate = GenerateProcess(["server=remote", f"server.base_url=[{victim_url},{survivor_url}]",
+                                "server.model=gemma-3-270m", f"generate.input={tmp_path / 'in'}",
+                                f"generate.output={tmp_path / 'out'}", f"generation.max_tokens={MAX_TOKENS}",
+                                f"generation.concurrency={2 * SLOTS}"], mlflow_uri)
     try:
-        victim_tokens = kill_once_it_has_answered((victim, victim_url), generate)
-        survivor_at_kill = tokens_predicted(survivor_url)
-        _, stderr = generate.communicate(timeout=180)
+        generate.wait_until_generating()
+        # what preflight made each server generate is not part of the job
+        victim_base, survivor_base = tokens_predicted(victim_url), tokens_predicted(survivor_url)
+        victim_work = kill_after_answers((victim, victim_url), generate, victim_base) - victim_base
+        survivor_at_kill = tokens_predicted(survivor_url) - survivor_base
     finally:
-        kill_group(generate)
-    assert generate.returncode == 0, stderr[-3000:]
+        returncode = generate.finish()
+    assert returncode == 0, generate.stderr()
 
     rows = read_rows(tmp_path / "out", "completions-")
     assert Counter(r["prompt_id"] for r in rows) == Counter(p["prompt_id"] for p in prompts), "each prompt once"
     assert (tmp_path / "out" / "errors.jsonl").read_text().strip() == ""
     total = sum(r["completion_tokens"] for r in rows)
-    survivor_tokens = tokens_predicted(survivor_url)
-    assert victim_tokens + survivor_at_kill < total, "the kill landed after the work was done"
-    assert survivor_tokens > survivor_at_kill, "the survivor answered nothing after the kill"
-    # everything the victim had not finished when it died, the survivor generated (the victim could at most finish
-    # its in-flight answers between the count and the kill)
-    assert survivor_tokens >= total - victim_tokens - SLOTS * MAX_TOKENS
+    survivor_work = tokens_predicted(survivor_url) - survivor_base
+    assert victim_work + survivor_at_kill < total, "the kill landed after the work was done"
+    assert survivor_work > survivor_at_kill, "the survivor answered nothing after the kill"
+    # Everything the victim had not finished when it died, the survivor generated. Slack: answers in flight at the
+    # victim when its count was read (at the start and at the kill) may land on either side.
+    assert survivor_work >= total - victim_work - 2 * SLOTS * MAX_TOKENS
     summary = json.loads((tmp_path / "out" / "run.json").read_text())
     assert summary["done_total"] == PROMPTS and summary["failed_total"] == 0
