@@ -29,7 +29,7 @@ from drafter_data.generation.runner import Runner, RunSettings
 from drafter_data.generation.store import CompletionStore, ResumePlan
 from drafter_data.generation.work import InputKeys, ThinkingModes, count_todo, input_keys, iter_todo
 from drafter_data.server.client import make_client
-from drafter_data.server.endpoints import api_key
+from drafter_data.server.endpoints import api_key, redact_url
 from drafter_data.server.pool import ServerPool, ServerState
 from drafter_data.server.preflight import preflight
 from drafter_data.server.request import RequestSpec
@@ -82,7 +82,10 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
     probe = spec if modes.ratio is None else spec.with_thinking(modes.ratio > 0)
     try:
         for s in states:
-            await preflight(s.client, s.url, probe, settings.stream)
+            features = await preflight(s.client, s.url, probe, settings.stream, settings.max_backoff_s)
+            s.spec, s.engine = spec.with_token_ids(features.token_ids), features.engine
+            print(f"{redact_url(s.url)}: {features.engine}, token ids: "
+                  f"{features.token_ids or 'not asked for' if spec.token_ids != 'off' else 'off'}", file=sys.stderr)
     except BaseException:
         for s in states:
             await s.client.close()

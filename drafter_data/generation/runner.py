@@ -106,7 +106,7 @@ class Runner:
             server = await self.pool.acquire()
             server.outstanding += 1
             try:
-                done = await complete(server.client, self.spec, sent, tools, thinking=conv.thinking,
+                done = await complete(server.client, server.spec or self.spec, sent, tools, thinking=conv.thinking,
                                       stream=self.settings.stream)
             except asyncio.CancelledError:
                 raise
@@ -224,18 +224,15 @@ class Runner:
             print(f"warning: compacting {self.store.dir} failed: {exc}", file=sys.stderr)
 
     def track(self, values: dict, step: int) -> None:
-        """Metrics to MLflow off the event loop; best-effort: a failure is reported once and never stops the run."""
-        def send():
-            try:
-                self.run.metrics(values, step=step, flush_every_s=METRICS_INTERVAL_S)
-            except Exception as exc:  # noqa: BLE001 - tracking must never stop generation
-                message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-                if message not in self._tracking_errors:
-                    self._tracking_errors.add(message)
-                    print(f"\nwarning: MLflow logging failed ({message}); generation goes on", file=sys.stderr)
-
-        if not any(t.get_name() == "track" and not t.done() for t in self._background):
-            self._spawn(asyncio.to_thread(send), "track")
+        """Metrics to MLflow; best-effort (StageRun sends them from its own thread, so this only queues them): a
+        failure is reported once and never stops the run."""
+        try:
+            self.run.metrics(values, step=step, flush_every_s=METRICS_INTERVAL_S)
+        except Exception as exc:  # noqa: BLE001 - tracking must never stop generation
+            message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            if message not in self._tracking_errors:
+                self._tracking_errors.add(message)
+                print(f"\nwarning: MLflow logging failed ({message}); generation goes on", file=sys.stderr)
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=name)
@@ -290,10 +287,12 @@ class Runner:
         try:
             await self.supervise(producer, ticker, workers)
         finally:
-            tasks = [producer, ticker, *workers, *self._background]
+            tasks = [producer, ticker, *workers]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # a compaction in progress is waited for, not abandoned: its thread would go on under the final one
+            await asyncio.gather(*self._background, return_exceptions=True)
             try:
                 await self.flush()
             finally:

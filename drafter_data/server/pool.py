@@ -15,6 +15,8 @@ MAX_PAUSE_S = 10.0
 class ServerState:
     url: str
     client: object
+    spec: object = None  # the RequestSpec for this server (how it is asked for token ids), from preflight
+    engine: str = "unknown"
     outstanding: int = 0
     failures: int = 0
     down_until: float = 0.0

@@ -1,0 +1,228 @@
+"""generate never exits 0 with an incomplete dataset and never hangs: a task that dies ends the run loudly, a failed
+write loses nothing, one writer per output, poison prompts are bounded, broken shards are set aside, nothing moves
+before preflight, Ctrl-C keeps in-flight work, and slow tracking never stalls the streams (issue 10)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pyarrow.parquet as pq
+
+from tests.conftest import REPO, read_rows, write_prompts
+from tests.fake_openai_server import request_key
+from tests.test_generate import check_exactly_once, gen_args
+
+
+def start(args, mlflow_uri, inject: str | None = None, stdout=subprocess.DEVNULL):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri}
+    prefix = ["-m", "tests.inject", inject, "--"] if inject else ["-m"]
+    return subprocess.Popen([sys.executable, *prefix, "stages.generate", *args], cwd=REPO, env=env, stdout=stdout,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run(args, mlflow_uri, inject: str | None = None, timeout: float = 120):
+    proc = start(args, mlflow_uri, inject)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def served(server) -> int:
+    return sum(server.stats()["completed"].values())
+
+
+def served_prompts(server, prompts) -> int:
+    """Answers the server finished for these prompts (preflight probes not counted)."""
+    completed = server.stats()["completed"]
+    return sum(completed.get(request_key(p["messages"]), 0) for p in prompts)
+
+
+def wait_until(condition, proc, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the stage ended early:\n{proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_an_input_shard_lost_mid_run_stops_the_run_with_one_line(fake_server, tmp_path, mlflow_uri):
+    server = fake_server({"token_delay_s": 0.02})
+    write_prompts(tmp_path / "in", 40)
+    write_prompts(tmp_path / "in2", 40, start=100)
+    os.replace(tmp_path / "in2" / "prompts-00000.parquet", tmp_path / "in" / "prompts-00001.parquet")
+    proc = start(gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=2"), mlflow_uri)
+    wait_until(lambda: served(server) >= 3, proc)  # preflight + the first prompts: the reader is in shard 0
+    (tmp_path / "in" / "prompts-00001.parquet").unlink()  # a concurrent prepare rewrote the input
+    assert proc.wait(60) == 1
+    last = proc.stderr.read().strip().splitlines()[-1]
+    assert last.startswith("error: reading the input failed") and "prompts-00001.parquet" in last
+    rows = read_rows(tmp_path / "out", "completions-")
+    assert rows and len(rows) == len({r["prompt_id"] for r in rows})  # what finished is saved, once
+
+
+def test_tracking_that_fails_never_stops_the_run_or_its_flushes(fake_server, tmp_path, mlflow_uri):
+    server = fake_server({"token_delay_s": 0.01})
+    prompts = write_prompts(tmp_path / "in", 150)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out", "generate.shard_rows=100000",
+                    "generation.concurrency=4")
+    proc = start(args, mlflow_uri, inject="mlflow_fails")
+    # shards keep coming (the 2 s flush) although every metrics call raises
+    wait_until(lambda: len(list((tmp_path / "out").glob("completions-*.parquet"))) >= 3, proc, timeout=90)
+    assert proc.wait(120) == 0
+    assert proc.stderr.read().count("database is locked") == 1  # reported, once
+    check_exactly_once(prompts, tmp_path / "out")
+
+
+def test_a_full_disk_that_frees_up_loses_nothing(fake_server, tmp_path, mlflow_uri):
+    server = fake_server({"token_delay_s": 0.005})
+    prompts = write_prompts(tmp_path / "in", 60)
+    full = tmp_path / "disk-full"
+    full.touch()
+    proc = start(gen_args(server.url, tmp_path / "in", tmp_path / "out", "generate.shard_rows=5"), mlflow_uri,
+                 inject=f"disk_full_while={full}")
+    wait_until(lambda: served(server) >= 30, proc)
+    time.sleep(1.0)
+    full.unlink()  # space freed while the writes are being retried
+    assert proc.wait(60) == 0, proc.stderr.read()
+    check_exactly_once(prompts, tmp_path / "out")
+
+
+def test_a_disk_that_stays_full_stops_the_run_and_counts_what_was_not_saved(fake_server, tmp_path, mlflow_uri):
+    server = fake_server({"token_delay_s": 0.005})
+    prompts = write_prompts(tmp_path / "in", 30)
+    full = tmp_path / "disk-full"
+    full.touch()
+    code, err = run(gen_args(server.url, tmp_path / "in", tmp_path / "out"), mlflow_uri,
+                    inject=f"disk_full_while={full}")
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "cannot write completions" in last and "No space left on device" in last
+    not_saved = int(last.split("; ")[1].split()[0])
+    assert not_saved == served_prompts(server, prompts) > 0  # every answer the server gave is counted
+    assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
+
+
+def test_a_second_writer_is_refused_at_once_naming_the_first(run_stage, fake_server, tmp_path, mlflow_uri):
+    server = fake_server({"token_delay_s": 0.05})
+    prompts = write_prompts(tmp_path / "in", 40)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=2")
+    first = start(args, mlflow_uri)
+    wait_until(lambda: served(server) >= 2, first)
+    t0 = time.monotonic()
+    second = run_stage("generate", *args, check=False)
+    assert second.returncode == 1 and time.monotonic() - t0 < 30
+    last = second.stderr.strip().splitlines()[-1]
+    assert f"pid {first.pid}" in last and str(tmp_path / "out") in last
+    assert first.wait(120) == 0
+    check_exactly_once(prompts, tmp_path / "out")
+
+
+def test_duplicates_inside_one_shard_are_kept_once(run_stage, fake_server, tmp_path):
+    server = fake_server()
+    prompts = write_prompts(tmp_path / "in", 10)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out")
+    run_stage("generate", *args)
+    (shard,) = (tmp_path / "out").glob("completions-*.parquet")
+    table = pq.read_table(shard)
+    pq.write_table(table.take(list(range(10)) + [0, 1, 2]), shard)  # as two writers once left it
+    proc = run_stage("generate", *args)
+    assert "10 already done, 0 to generate" in proc.stderr
+    check_exactly_once(prompts, tmp_path / "out")
+
+
+def test_a_prompt_that_crashes_the_engine_fails_for_good_and_the_rest_completes(run_stage, fake_server, tmp_path):
+    server = fake_server({"crash_on": "word3-0", "token_delay_s": 0.01})
+    prompts = write_prompts(tmp_path / "in", 12)  # prompt 3's text holds "word3-0"
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out",
+                                           "generate.max_connection_failures=4", "generation.concurrency=3"))
+    poison = next(p for p in prompts if "word3-0" in p["messages"][0]["content"])
+    rows = read_rows(tmp_path / "out", "completions-")
+    assert Counter(r["prompt_id"] for r in rows) == Counter(p["prompt_id"] for p in prompts if p is not poison)
+    (error,) = [json.loads(line) for line in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
+    assert error["prompt_id"] == poison["prompt_id"] and "connection broke 4 times" in error["reason"]
+    assert server.stats()["crashes"] == 4  # sent 4 times, not max_attempts or forever
+    assert "1 failed for good" in proc.stderr
+
+
+def test_unreadable_shards_are_quarantined_and_their_prompts_generated_again(run_stage, fake_server, tmp_path):
+    server = fake_server()
+    prompts = write_prompts(tmp_path / "in", 20)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out", "generate.shard_rows=5")
+    run_stage("generate", *args)
+    run_stage("generate", *args, "generation.max_tokens=200")  # other params: the first rows go to .stale
+    run_stage("generate", *args)  # ... and come back
+    shards = sorted((tmp_path / "out").glob("completions-*.parquet"))
+    data = shards[0].read_bytes()
+    shards[0].write_bytes(data[: len(data) // 2])  # truncated
+    (tmp_path / "out" / "completions-zero.parquet").write_bytes(b"")  # 0 bytes
+    proc = run_stage("generate", *args)
+    assert proc.stderr.count("moved unreadable shard") == 2
+    quarantined = list((tmp_path / "out.quarantine").rglob("*.parquet"))
+    assert {p.name for p in quarantined} == {shards[0].name, "completions-zero.parquet"}
+    assert not list((tmp_path / "out").glob("*/"))  # never a subfolder a Parquet reader would pick up
+    check_exactly_once(prompts, tmp_path / "out")
+
+
+def test_nothing_moves_aside_before_preflight_passes(run_stage, fake_server, tmp_path):
+    server = fake_server()
+    write_prompts(tmp_path / "in", 10)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out")
+    run_stage("generate", *args)
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
+    proc = run_stage("generate", *args, "generation.max_tokens=3", "server.model=mistyped", check=False)
+    assert proc.returncode == 1 and "not served" in proc.stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+    assert not (tmp_path / "out.stale").exists()
+
+
+def test_reverting_a_config_change_reuses_the_rows_moved_aside(run_stage, fake_server, tmp_path):
+    server = fake_server()
+    prompts = write_prompts(tmp_path / "in", 10)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out")
+    run_stage("generate", *args)
+    first = {r["prompt_id"]: r["content"] for r in read_rows(tmp_path / "out", "completions-")}
+    run_stage("generate", *args, "generation.max_tokens=3")
+    answered_before = served_prompts(server, prompts)
+    proc = run_stage("generate", *args)
+    assert "restored 10 completions" in proc.stderr and "10 already done, 0 to generate" in proc.stderr
+    assert served_prompts(server, prompts) == answered_before  # nothing asked again
+    rows = check_exactly_once(prompts, tmp_path / "out")
+    assert {r["prompt_id"]: r["content"] for r in rows} == first
+    # the max_tokens=3 rows moved aside in turn, ready to come back too
+    assert sum(pq.ParquetFile(p).metadata.num_rows for p in (tmp_path / "out.stale").rglob("*.parquet")) == 10
+
+
+def test_first_signal_lets_in_flight_requests_finish_second_stops_at_once(fake_server, tmp_path, mlflow_uri):
+    server = fake_server({"token_delay_s": 0.25, "reasoning_words": 6, "content_words": 6})  # 3 s per answer
+    prompts = write_prompts(tmp_path / "in", 40)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=4")
+    proc = start(args, mlflow_uri)
+    wait_until(lambda: server.stats()["inflight"] >= 4, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(30) == 128 + signal.SIGINT
+    rows = read_rows(tmp_path / "out", "completions-")
+    assert len(rows) >= 4 and served_prompts(server, prompts) == len(rows)  # in-flight ones finished, were saved
+    assert "in-flight ones get up to 300 s" in proc.stderr.read()
+
+    proc = start(args, mlflow_uri)
+    wait_until(lambda: server.stats()["inflight"] >= 4, proc)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(30) == 128 + signal.SIGINT and time.monotonic() - t0 < 10
+    assert "again: stopping now" in proc.stderr.read()
+
+
+def test_a_slow_tracking_store_never_stalls_the_streams(fake_server, tmp_path, mlflow_uri):
+    server = fake_server({"token_delay_s": 0.01})
+    prompts = write_prompts(tmp_path / "in", 120)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=4")
+    proc = start(args, mlflow_uri, inject="mlflow_slow=8")
+    assert proc.wait(180) == 0, proc.stderr.read()
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    # ~4 s of requests; a blocked event loop would add 8 s per MLflow batch
+    assert summary["elapsed_s"] < 8
+    check_exactly_once(prompts, tmp_path / "out")
