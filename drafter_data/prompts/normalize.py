@@ -8,26 +8,28 @@ made relative to the whole file again.
 from __future__ import annotations
 
 from collections import Counter
+from hashlib import blake2b
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 import orjson
 import pyarrow as pa
-import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
 from drafter_data.contract import MESSAGE, PROMPTS
 from drafter_data.errors import StageError
 from drafter_data.prompts import formats, tools
 from drafter_data.prompts.accounts import Accounts
+from drafter_data.prompts.columns import int32_array, repeated_string, string_array
 from drafter_data.prompts.malformed import Malformed
 from drafter_data.prompts.prompt import to_prompt
 from drafter_data.prompts.records import DEFAULT_MAX_RECORD_BYTES, BadRecord, is_json_list, line_ranges, raw_text, \
     read_records
-from drafter_data.prompts.selection import BATCH, prompt_digest
+from drafter_data.prompts.selection import BATCH, prompt_digest, write_pass1_shard
 
-FLUSH_CHARS = 8 << 20  # a unit's buffered prompt text is written out at this size (or every BATCH rows)
+FLUSH_CHARS = 8 << 20
+IN_PROCESS_MAX_BYTES = 64 << 20  # a unit's buffered prompt text is written out at this size (or every BATCH rows)
 _token_counter = {}  # per worker process: the target's tokenizer, loaded once when max_prompt_tokens is set
 
 
@@ -51,9 +53,12 @@ def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts) ->
     plain = OmegaConf.to_container(pcfg, resolve=True)
     target = OmegaConf.to_container(cfg.target, resolve=True) if pcfg.get("max_prompt_tokens") else None
     args = [(u, plain, str(tmp_dir), target) for u in units]
-    workers = min(int(pcfg.get("workers") or 1), len(units))
-    if workers > 1:
-        with get_context("spawn").Pool(workers) as pool:
+    workers = int(pcfg.get("workers") or 1)
+    # a large input is read in a worker process even when it is one unit (a JSON list): the main process then has a
+    # core for MLflow's warm-up instead of taking turns with it
+    big = sum(Path(s["path"]).stat().st_size for s in sources) >= IN_PROCESS_MAX_BYTES
+    if workers > 1 and (len(units) > 1 or big):
+        with get_context("spawn").Pool(min(workers, len(units))) as pool:
             results = pool.starmap(normalize_unit, args, chunksize=1)
     else:
         results = [normalize_unit(*a) for a in args]
@@ -92,24 +97,30 @@ def normalize_unit(unit: dict, pcfg: dict, tmp_dir: str, target: dict | None) ->
     out = UnitOutput(unit, Path(tmp_dir))
     counter = _prompt_token_counter(target) if pcfg.get("max_prompt_tokens") else None
     reader_stats: dict = {}
+    plain = (pcfg.get("turns") or "first") == "first" and unit["format"] in _SHAREGPT_FORMATS and not unit["fields"]
+    max_chars, max_tokens = pcfg.get("max_prompt_chars"), pcfg.get("max_prompt_tokens")
     records = read_records(Path(unit["path"]), unit["start"], unit["end"], reader_stats, max_record_bytes(pcfg))
     with out:
         for item in records:
-            out.read += 1
             if type(item) is BadRecord:
                 out.reject(item.line, item.index, item.reason, item.detail, item.raw)
                 continue
             line, index, record, raw = item
             try:
-                out.add(*normalize_record(record, raw, unit, pcfg, counter))
+                text = plain_first_turn(record) if plain else None
+                if text is not None:  # the common case, without building what the general path needs
+                    out.add_user_prompt(plain_prompt_digest(text, max_chars, counter, max_tokens), text)
+                else:
+                    out.add(*normalize_record(record, raw, unit, pcfg, counter))
             except Malformed as exc:
                 out.reject(line, index, exc.args[0], exc.args[1], raw_text(raw))
             except StageError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a record must never stop the run; counted and listed
                 out.reject(line, index, "unexpected_error", f"{type(exc).__name__}: {exc}", raw_text(raw))
-    return {"unit": unit["unit"], "digests": bytes(out.digests), "read": out.read, "dropped": out.dropped,
-            "lines": reader_stats.get("lines", 0), "records": reader_stats.get("records", 0)}
+    read = reader_stats.get("records", 0)  # every record the reader yielded, good or not
+    return {"unit": unit["unit"], "digests": bytes(out.digests), "read": read, "dropped": out.dropped,
+            "lines": reader_stats.get("lines", 0), "records": read}
 
 
 def normalize_record(record, raw: bytes, unit: dict, pcfg: dict, count_tokens=None) -> tuple:
@@ -132,6 +143,12 @@ def normalize_record(record, raw: bytes, unit: dict, pcfg: dict, count_tokens=No
         tools.check_integers(raw, "the record")
     tools_json = tools.dumps_exact(declared, "invalid_tools", "'tools'") if declared else None
     extras_json = tools.dumps_exact(extras, "invalid_tool_call", "the messages' tool fields") if extras else None
+    return _identified(messages, declared, tools_json, extras_json, n_turns, pcfg, count_tokens, extras)
+
+
+def _identified(messages: list[dict], declared: list | None, tools_json: str | None, extras_json: str | None,
+                n_turns: int, pcfg: dict, count_tokens, extras: list | None = None) -> tuple:
+    """The normalized prompt with its digest, after the target's token limit."""
     digest = prompt_digest(messages, tools_json, extras_json)
     if count_tokens is not None and count_tokens(_with_extras(messages, extras), declared) > \
             pcfg["max_prompt_tokens"]:
@@ -139,12 +156,48 @@ def normalize_record(record, raw: bytes, unit: dict, pcfg: dict, count_tokens=No
     return digest, messages, tools_json, extras_json, n_turns
 
 
+_SHAREGPT_FORMATS = frozenset({"auto", "jsonl", "sharegpt"})
+_USER_SPEAKERS = frozenset(name for name, role in formats.ROLE_NAMES.items() if role == "user")
+
+
+def plain_first_turn(record) -> str | None:
+    """The text of a record's first turn when the record is the plainest ShareGPT case for prepare.turns=first: its
+    first turn a user's string, no system prompt, no tools. The general path gives the same prompt, only slower."""
+    if type(record) is not dict or "system" in record or "tools" in record or "functions" in record:
+        return None
+    turns = record.get("conversations")
+    first = turns[0] if type(turns) is list and turns else None
+    if type(first) is not dict:
+        return None
+    speaker, text = first.get("from"), first.get("value")
+    return text if type(speaker) is str and speaker in _USER_SPEAKERS and type(text) is str else None
+
+
 def _check_length(messages: list[dict], mode: str, max_chars) -> None:
     answered = [m for m in messages if m["role"] == "user"] if mode == "all" else messages[-1:]
-    if any(not m["content"].strip() for m in answered):
+    if any(_blank(m["content"]) for m in answered):
         raise Malformed("empty_prompt", "")
     if max_chars and sum(len(m["content"]) for m in messages) > max_chars:
         raise Malformed("too_long", "")
+
+
+def _blank(text: str) -> bool:
+    return not text or text.isspace()
+
+
+_PLAIN_HEAD, _PLAIN_TAIL = b'[{"role":"user","content":', b"}]"
+
+
+def plain_prompt_digest(text: str, max_chars, count_tokens, max_tokens) -> bytes:
+    """What normalize_record does for a prompt that is one user message (checks, then the digest of
+    [{"role": "user", "content": text}], byte for byte the same), without building the message."""
+    if not text or text.isspace():
+        raise Malformed("empty_prompt", "")
+    if max_chars and len(text) > max_chars:
+        raise Malformed("too_long", "")
+    if count_tokens is not None and count_tokens([{"role": "user", "content": text}], None) > max_tokens:
+        raise Malformed("too_many_tokens", "")
+    return blake2b(_PLAIN_HEAD + orjson.dumps(text) + _PLAIN_TAIL, digest_size=16).digest()
 
 
 def _with_extras(messages: list[dict], extras: list | None) -> list[dict]:
@@ -161,7 +214,6 @@ class UnitOutput:
         self.name, self.path, self.n, self.tmp = unit["name"], unit["path"], unit["unit"], tmp
         self.digests = bytearray()
         self.dropped: Counter = Counter()
-        self.read = 0
         self.shard = 0
         self._reset()
         self._rejects = open(tmp / f"rejects-{self.n:05d}.jsonl", "wb")
@@ -174,7 +226,7 @@ class UnitOutput:
         self._rejects.close()
 
     def _reset(self) -> None:
-        self.ids, self.tools, self.extras, self.turns = [], [], [], []
+        self.tools, self.extras, self.turns = [], [], []
         self.offsets, self.roles, self.contents, self.chars = [0], [], [], 0
 
     def reject(self, line: int, index: int, reason: str, detail: str, raw: str) -> None:
@@ -190,7 +242,6 @@ class UnitOutput:
 
     def add(self, digest: bytes, messages: list[dict], tools: str | None, extras: str | None, turns: int) -> None:
         self.digests += digest
-        self.ids.append(digest.hex())
         self.tools.append(tools)
         self.extras.append(extras)
         self.turns.append(turns)
@@ -199,21 +250,36 @@ class UnitOutput:
             self.contents.append(m["content"])
             self.chars += len(m["content"])
         self.offsets.append(len(self.roles))
-        if len(self.ids) >= BATCH or self.chars >= FLUSH_CHARS:
+        if len(self.tools) >= BATCH or self.chars >= FLUSH_CHARS:
+            self.flush()
+
+    def add_user_prompt(self, digest: bytes, text: str) -> None:
+        """add(digest, [{"role": "user", "content": text}], None, None, 1), quicker."""
+        self.digests += digest
+        self.tools.append(None)
+        self.extras.append(None)
+        self.turns.append(1)
+        self.roles.append("user")
+        self.contents.append(text)
+        self.chars += len(text)
+        self.offsets.append(len(self.roles))
+        if len(self.tools) >= BATCH or self.chars >= FLUSH_CHARS:
             self.flush()
 
     def flush(self) -> None:
-        if not self.ids:
+        n = len(self.tools)
+        if not n:
             return
-        # built from flat columns: much faster than converting a list of lists of dicts
-        messages = pa.ListArray.from_arrays(pa.array(self.offsets, pa.int32()), pa.StructArray.from_arrays(
-            [pa.array(self.roles, pa.string()), pa.array(self.contents, pa.string())], fields=list(MESSAGE)))
-        n = len(self.ids)
-        table = pa.table([pa.array(self.ids, pa.string()), pa.array([self.name] * n, pa.string()), messages,
-                          pa.array(self.tools, pa.string()), pa.array(self.extras, pa.string()),
-                          pa.array(self.turns, pa.int32())],
-                         schema=PROMPTS)
-        pq.write_table(table, self.tmp / f"pass1-{self.n:05d}-{self.shard:05d}.parquet", compression="zstd")
+        ids = self.digests[len(self.digests) - 16 * n:].hex()
+        id_offsets = np.arange(0, 32 * (n + 1), 32, dtype=np.int32)
+        # built from flat columns and buffers: much faster than converting a list of lists of dicts
+        messages = pa.ListArray.from_arrays(int32_array(self.offsets), pa.StructArray.from_arrays(
+            [string_array(self.roles), string_array(self.contents)], fields=list(MESSAGE)))
+        table = pa.Table.from_arrays([
+            pa.StringArray.from_buffers(n, pa.py_buffer(id_offsets), pa.py_buffer(ids.encode("ascii"))),
+            repeated_string(self.name, n), messages, string_array(self.tools), string_array(self.extras),
+            int32_array(self.turns)], schema=PROMPTS)
+        write_pass1_shard(table, self.tmp / f"pass1-{self.n:05d}-{self.shard:05d}.arrow")
         self.shard += 1
         self._reset()
 

@@ -65,7 +65,7 @@ def parse_error(raw: bytes, exc: Exception) -> tuple[str, str]:
 
 def open_source(path: Path) -> BinaryIO:
     try:
-        return open(path, "rb")
+        return open(path, "rb", buffering=_SKIP_CHUNK)  # large reads: fewer system calls than the default 8 KiB
     except OSError as exc:
         raise StageError(f"cannot open prompt file {path}: {exc.strerror}") from exc
 
