@@ -3,7 +3,7 @@ same digest, same prompt, same reason when a record is dropped."""
 import json
 
 from drafter_data.prompts.malformed import Malformed
-from drafter_data.prompts.normalize import normalize_record, plain_first_turn, plain_prompt_digest
+from drafter_data.prompts.candidate import normalize_record, plain_first_turn, plain_prompt_digest
 from tests.conftest import PROMPT_FIXTURES, require_shared
 
 UNIT = {"fields": {}, "format": "auto"}

@@ -8,7 +8,6 @@ made relative to the whole file again.
 from __future__ import annotations
 
 from collections import Counter
-from hashlib import blake2b
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -19,17 +18,16 @@ from omegaconf import OmegaConf
 
 from drafter_data.contract import MESSAGE, PROMPTS
 from drafter_data.errors import StageError
-from drafter_data.prompts import formats, tools
 from drafter_data.prompts.accounts import Accounts
+from drafter_data.prompts.candidate import SHAREGPT_FORMATS, normalize_record, plain_first_turn, plain_prompt_digest
 from drafter_data.prompts.columns import int32_array, repeated_string, string_array
 from drafter_data.prompts.malformed import Malformed
-from drafter_data.prompts.prompt import to_prompt
 from drafter_data.prompts.records import DEFAULT_MAX_RECORD_BYTES, BadRecord, is_json_list, line_ranges, raw_text, \
     read_records
-from drafter_data.prompts.selection import BATCH, prompt_digest, write_pass1_shard
+from drafter_data.prompts.selection import BATCH, write_pass1_shard
 
-FLUSH_CHARS = 8 << 20
-IN_PROCESS_MAX_BYTES = 64 << 20  # a unit's buffered prompt text is written out at this size (or every BATCH rows)
+FLUSH_CHARS = 8 << 20  # a unit's buffered prompt text is written out at this size (or every BATCH rows)
+IN_PROCESS_MAX_BYTES = 64 << 20  # from this input size on, pass 1 always runs in worker processes
 _token_counter = {}  # per worker process: the target's tokenizer, loaded once when max_prompt_tokens is set
 
 
@@ -97,7 +95,7 @@ def normalize_unit(unit: dict, pcfg: dict, tmp_dir: str, target: dict | None) ->
     out = UnitOutput(unit, Path(tmp_dir))
     counter = _prompt_token_counter(target) if pcfg.get("max_prompt_tokens") else None
     reader_stats: dict = {}
-    plain = (pcfg.get("turns") or "first") == "first" and unit["format"] in _SHAREGPT_FORMATS and not unit["fields"]
+    plain = (pcfg.get("turns") or "first") == "first" and unit["format"] in SHAREGPT_FORMATS and not unit["fields"]
     max_chars, max_tokens = pcfg.get("max_prompt_chars"), pcfg.get("max_prompt_tokens")
     records = read_records(Path(unit["path"]), unit["start"], unit["end"], reader_stats, max_record_bytes(pcfg))
     with out:
@@ -121,89 +119,6 @@ def normalize_unit(unit: dict, pcfg: dict, tmp_dir: str, target: dict | None) ->
     read = reader_stats.get("records", 0)  # every record the reader yielded, good or not
     return {"unit": unit["unit"], "digests": bytes(out.digests), "read": read, "dropped": out.dropped,
             "lines": reader_stats.get("lines", 0), "records": read}
-
-
-def normalize_record(record, raw: bytes, unit: dict, pcfg: dict, count_tokens=None) -> tuple:
-    """One parsed record -> (digest, messages, tools JSON, message_extras JSON, turns); raises Malformed(reason,
-    detail) for a record that is malformed or unusable (empty, no user turn, too long, ...)."""
-    fields = unit["fields"]
-    if fields and isinstance(record, dict):  # e.g. {prompt: query_text}: the file's own key names
-        record = {**record, **{ours: record[theirs] for ours, theirs in fields.items() if theirs in record}}
-    mode = pcfg.get("turns") or "first"
-    turns = formats.to_turns(record, unit["format"], first_only=mode == "first")
-    if not turns:
-        raise Malformed("empty_conversation", "")
-    prompt = to_prompt(turns, mode)
-    if prompt is None:
-        raise Malformed("no_user_turn", "")
-    messages, extras, n_turns = prompt
-    _check_length(messages, mode, pcfg.get("max_prompt_chars"))
-    declared = tools.declarations(record)
-    if declared is not None or extras is not None:  # numbers are written back: none may be rounded
-        tools.check_integers(raw, "the record")
-    tools_json = tools.dumps_exact(declared, "invalid_tools", "'tools'") if declared else None
-    extras_json = tools.dumps_exact(extras, "invalid_tool_call", "the messages' tool fields") if extras else None
-    return _identified(messages, declared, tools_json, extras_json, n_turns, pcfg, count_tokens, extras)
-
-
-def _identified(messages: list[dict], declared: list | None, tools_json: str | None, extras_json: str | None,
-                n_turns: int, pcfg: dict, count_tokens, extras: list | None = None) -> tuple:
-    """The normalized prompt with its digest, after the target's token limit."""
-    digest = prompt_digest(messages, tools_json, extras_json)
-    if count_tokens is not None and count_tokens(_with_extras(messages, extras), declared) > \
-            pcfg["max_prompt_tokens"]:
-        raise Malformed("too_many_tokens", "")
-    return digest, messages, tools_json, extras_json, n_turns
-
-
-_SHAREGPT_FORMATS = frozenset({"auto", "jsonl", "sharegpt"})
-_USER_SPEAKERS = frozenset(name for name, role in formats.ROLE_NAMES.items() if role == "user")
-
-
-def plain_first_turn(record) -> str | None:
-    """The text of a record's first turn when the record is the plainest ShareGPT case for prepare.turns=first: its
-    first turn a user's string, no system prompt, no tools. The general path gives the same prompt, only slower."""
-    if type(record) is not dict or "system" in record or "tools" in record or "functions" in record:
-        return None
-    turns = record.get("conversations")
-    first = turns[0] if type(turns) is list and turns else None
-    if type(first) is not dict:
-        return None
-    speaker, text = first.get("from"), first.get("value")
-    return text if type(speaker) is str and speaker in _USER_SPEAKERS and type(text) is str else None
-
-
-def _check_length(messages: list[dict], mode: str, max_chars) -> None:
-    answered = [m for m in messages if m["role"] == "user"] if mode == "all" else messages[-1:]
-    if any(_blank(m["content"]) for m in answered):
-        raise Malformed("empty_prompt", "")
-    if max_chars and sum(len(m["content"]) for m in messages) > max_chars:
-        raise Malformed("too_long", "")
-
-
-def _blank(text: str) -> bool:
-    return not text or text.isspace()
-
-
-_PLAIN_HEAD, _PLAIN_TAIL = b'[{"role":"user","content":', b"}]"
-
-
-def plain_prompt_digest(text: str, max_chars, count_tokens, max_tokens) -> bytes:
-    """What normalize_record does for a prompt that is one user message (checks, then the digest of
-    [{"role": "user", "content": text}], byte for byte the same), without building the message."""
-    if not text or text.isspace():
-        raise Malformed("empty_prompt", "")
-    if max_chars and len(text) > max_chars:
-        raise Malformed("too_long", "")
-    if count_tokens is not None and count_tokens([{"role": "user", "content": text}], None) > max_tokens:
-        raise Malformed("too_many_tokens", "")
-    return blake2b(_PLAIN_HEAD + orjson.dumps(text) + _PLAIN_TAIL, digest_size=16).digest()
-
-
-def _with_extras(messages: list[dict], extras: list | None) -> list[dict]:
-    if extras is None:
-        return messages
-    return [{**m, **e} if e else m for m, e in zip(messages, extras)]
 
 
 class UnitOutput:
