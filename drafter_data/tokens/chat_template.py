@@ -30,9 +30,25 @@ def chat_template_kwargs(thinking_kwarg: str, thinking: bool, template_kwargs: d
     return {thinking_kwarg: bool(thinking), **dict(template_kwargs or {})}
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Hugging Face's sandbox, with its verdict on an attribute of a dict, list or str remembered: for these types it
+    depends only on the type and the attribute's name (a quarter of the render time otherwise)."""
+
+    _verdicts: dict = {}
+
+    def is_safe_attribute(self, obj, attr, value) -> bool:
+        kind = type(obj)
+        if kind is not dict and kind is not list and kind is not str:
+            return super().is_safe_attribute(obj, attr, value)
+        verdict = self._verdicts.get((kind, attr))
+        if verdict is None:
+            verdict = self._verdicts[(kind, attr)] = super().is_safe_attribute(obj, attr, value)
+        return verdict
+
+
 @lru_cache(maxsize=8)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
