@@ -111,12 +111,16 @@ def normalize_unit(unit: dict, pcfg: dict, tmp_dir: str, target: dict | None) ->
                 else:
                     out.add(*normalize_record(record, raw, unit, pcfg, counter))
             except Malformed as exc:
-                out.reject(line, index, exc.args[0], exc.args[1], raw_text(raw))
+                out.reject(line, index, exc.args[0], exc.args[1], raw_text(raw.rstrip(b"\r\n")))
             except StageError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a record must never stop the run; counted and listed
-                out.reject(line, index, "unexpected_error", f"{type(exc).__name__}: {exc}", raw_text(raw))
+                out.reject(line, index, "unexpected_error", f"{type(exc).__name__}: {exc}",
+                           raw_text(raw.rstrip(b"\r\n")))
     read = reader_stats.get("records", 0)  # every record the reader yielded, good or not
+    if read != len(out.digests) // 16 + sum(out.dropped.values()):  # kept is derived from read: it must add up
+        raise StageError(f"{unit['path']}: {read} records read but {len(out.digests) // 16} kept and "
+                         f"{sum(out.dropped.values())} rejected (a bug in prepare; please report it)")
     return {"unit": unit["unit"], "digests": bytes(out.digests), "read": read, "dropped": out.dropped,
             "lines": reader_stats.get("lines", 0), "records": read}
 
