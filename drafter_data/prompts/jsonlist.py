@@ -19,7 +19,7 @@ from typing import BinaryIO, Generator, Iterator
 
 import orjson
 
-from drafter_data.prompts.records import BOM, RAW_LIMIT, BadRecord, Item, parse_error, raw_text, too_large
+from drafter_data.prompts.items import BOM, RAW_LIMIT, BadRecord, Item, parse_error, raw_text, too_large
 
 _BLOCK = 1 << 20
 _HEAD = RAW_LIMIT * 4  # bytes of a rejected element kept for the rejects file

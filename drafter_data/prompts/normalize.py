@@ -22,8 +22,8 @@ from drafter_data.prompts.accounts import Accounts
 from drafter_data.prompts.candidate import SHAREGPT_FORMATS, normalize_record, plain_first_turn, plain_prompt_digest
 from drafter_data.prompts.columns import int32_array, repeated_string, string_array
 from drafter_data.prompts.malformed import Malformed
-from drafter_data.prompts.records import DEFAULT_MAX_RECORD_BYTES, BadRecord, is_json_list, line_ranges, raw_text, \
-    read_records
+from drafter_data.prompts.items import BadRecord, raw_text
+from drafter_data.prompts.records import DEFAULT_MAX_RECORD_BYTES, is_json_list, line_ranges, read_records
 from drafter_data.prompts.selection import BATCH, write_pass1_shard
 
 FLUSH_CHARS = 8 << 20  # a unit's buffered prompt text is written out at this size (or every BATCH rows)

@@ -10,57 +10,18 @@ value followed by more lines (a JSONL file whose first record is an array stays 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Union
+from typing import BinaryIO, Iterator
 
 import orjson
 
 from drafter_data.errors import StageError
+from drafter_data.prompts.items import BOM, BadRecord, Item, parse_error, raw_text, too_large
+from drafter_data.prompts.jsonlist import read_lists
 
-BOM = b"\xef\xbb\xbf"
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
-RAW_LIMIT = 4096  # characters of a rejected record kept in the rejects file
 _SKIP_CHUNK = 1 << 20
 _MAX_BLANK_LINES_SNIFFED = 10_000
-
-
-@dataclass(slots=True)
-class BadRecord:
-    line: int
-    index: int
-    reason: str
-    detail: str
-    raw: str
-
-
-# (line, index, parsed record, the record's bytes), or a BadRecord
-Item = Union[tuple[int, int, object, bytes], BadRecord]
-
-
-def clip(text: str, limit: int = RAW_LIMIT) -> str:
-    return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more chars]"
-
-
-def raw_text(raw: bytes, total: int | None = None) -> str:
-    """A record's bytes for the rejects file: clipped, invalid UTF-8 shown as escapes; `total` when only a head was
-    kept."""
-    text = clip(raw[: RAW_LIMIT * 4].decode("utf-8", errors="backslashreplace"))
-    if total is not None and total > len(raw):
-        text += f"... [{total} bytes in all]"
-    return text
-
-
-def parse_error(raw: bytes, exc: Exception) -> tuple[str, str]:
-    """(reason, detail) for bytes orjson could not parse."""
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return "invalid_utf8", f"invalid UTF-8 at byte {err.start}"
-    message = str(exc)
-    if "surrogate" in message:
-        return "invalid_unicode", message
-    return "invalid_json", message
 
 
 def open_source(path: Path) -> BinaryIO:
@@ -129,8 +90,6 @@ def read_records(path: Path, start: int = 0, end: int | None = None, stats: dict
                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Item]:
     """Yields (line, index, record, raw) or BadRecord. Lines and indexes count from 1 (from `start`, for a JSONL
     range). `stats`, if given, receives the number of lines and records read."""
-    from drafter_data.prompts.jsonlist import read_lists
-
     stats = stats if stats is not None else {}
     with open_source(path) as fh:
         if start == 0 and end is None and _sniff_json_list(fh, max_record_bytes):
@@ -181,8 +140,3 @@ def jsonl_records(fh: BinaryIO, length: int | None, max_record_bytes: int, stats
         index += 1
         yield line_no, index, record, raw
     stats["lines"], stats["records"] = line_no, index
-
-
-def too_large(line: int, index: int, head: bytes, size: int, max_record_bytes: int) -> BadRecord:
-    return BadRecord(line, index, "too_large", f"the record has {size} bytes, over prepare.max_record_bytes="
-                     f"{max_record_bytes}", raw_text(head, size))
