@@ -76,7 +76,8 @@ def test_every_chat_golden_reproduces_through_the_stage(run_stage, tmp_path):
             assert row["loss_mask"] == [0] * start + [1] * (end - start), case["id"]
         meta = json.loads((tmp_path / f"out{i}" / "meta.json").read_text())
         assert meta["rows"] == {"read": len(cases), "kept": len(cases)}, meta["rows"]
-        assert meta["drift"] == {"rows_compared": 0, "rows_differ": 0, "tokens_differ": 0, "rate": 0.0}
+        assert meta["drift"] == {"rows_compared": 0, "rows_differ": 0, "tokens_differ": 0, "rate": 0.0,
+                                 "rows_text_cut_short": 0, "tokens_text_cut_short": 0}
         assert meta["thinking"] is thinking and meta["special_ids"]["mask_token_id"] == 163837
         assert meta["vocab_size"] == 163840 and meta["special_ids"]["bos"] == 163584
         assert meta["tokenizer"]["files_sha256"]["tiktoken.model"].startswith("b6c497a7469b")

@@ -164,3 +164,26 @@ def test_length_rows_mask_exactly_what_was_sampled(run_stage, tmp_path, kimi, wi
     meta = meta_of(tmp_path / "out")
     assert meta["rows"]["finish_length"] == 2 and meta["rows"]["kept"] == 2
     assert meta["drift"]["rows_compared"] == (2 if with_ids else 0) and meta["drift"]["rows_differ"] == 0
+
+
+def test_a_length_rows_text_that_stops_before_its_ids_is_not_drift(run_stage, tmp_path, kimi):
+    """llama-server keeps back the text of a trailing `<` (it may begin `</think>`) when the cut comes there: the
+    ids hold one more token than the text. The row keeps every sampled id; it is reported, not counted as drift.
+    The same extra token in a finished answer is drift."""
+    tok, conv = kimi
+    reasoning = "Counting the letters, one at a time:"
+    extra = tok.encode(" <")
+    cut = completion_row("cut", QUESTION + [{"role": "assistant", "content": "", "reasoning_content": reasoning}],
+                         finish_reason="length", length_stop_in="reasoning",
+                         completion_token_ids=tok.encode(reasoning) + extra)
+    stop = completion_row("stop", QUESTION + [{"role": "assistant", "content": CONTENT,
+                                               "reasoning_content": reasoning}],
+                          completion_token_ids=sampled(tok, reasoning, CONTENT, end=False) + extra)
+    inp = write_completions(tmp_path / "in", [cut, stop])
+    proc = run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out"), "tokenize.max_drift_rate=0.5")
+    out = {r["prompt_id"]: r for r in read_rows(tmp_path / "out")}
+    prompt = conv.prompt_ids(QUESTION)
+    assert out["cut"]["input_ids"] == prompt + tok.encode(reasoning) + extra
+    drift = meta_of(tmp_path / "out")["drift"]
+    assert (drift["rows_compared"], drift["rows_differ"], drift["rows_text_cut_short"]) == (2, 1, 1)
+    assert drift["tokens_text_cut_short"] == len(extra) and "1 length rows' text stops" in proc.stderr

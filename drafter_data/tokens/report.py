@@ -49,7 +49,8 @@ def metadata(cfg, settings: dict, conv: ConversationTokenizer, counts: Counter) 
         "tokens": counts["tokens"],
         "loss_tokens": counts["loss_tokens"],
         "drift": {"rows_compared": compared, "rows_differ": differ, "tokens_differ": counts["drift.tokens_differ"],
-                  "rate": _rate(differ, compared)},
+                  "rate": _rate(differ, compared), "rows_text_cut_short": counts["drift.rows_text_cut_short"],
+                  "tokens_text_cut_short": counts["drift.tokens_text_cut_short"]},
         "prompt_ids": {"rows_compared": counts["prompt.rows_compared"], "rows_differ": counts["prompt.rows_differ"],
                        "rate": _rate(counts["prompt.rows_differ"], counts["prompt.rows_compared"])},
     }
@@ -74,6 +75,10 @@ def summary_lines(meta: dict, speed: dict, out_dir: Path, max_drift_rate: float)
         lines.append(f"drift: {drift['rows_differ']} of {drift['rows_compared']} rows with the server's sampled ids "
                      f"retokenize differently ({drift['tokens_differ']} tokens; rate {drift['rate']:.4f}, limit "
                      f"{max_drift_rate}); the rows keep the sampled ids")
+        if drift["rows_text_cut_short"]:
+            lines.append(f"drift: {drift['rows_text_cut_short']} length rows' text stops {drift['tokens_text_cut_short']}"
+                         f" tokens before their ids (the server kept back the text of its last tokens at the cut; "
+                         f"not counted as drift)")
     else:
         lines.append("drift: no rows carry the server's sampled ids (retokenized from text)")
     if prompt["rows_compared"]:
