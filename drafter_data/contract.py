@@ -32,6 +32,7 @@ COMPLETIONS = pa.schema(list(PROMPTS) + [
     ("tool_calls", pa.string()),  # the answer's tool calls as the server returned them (OpenAI JSON list)
     ("prompt_token_ids", pa.list_(pa.int32())),  # the prompt as the server tokenized it, when it said
     ("completion_token_ids", pa.list_(pa.int32())),  # the sampled ids, when the server returned them
+    ("token_ids_via", pa.string()),  # how the ids were asked for (a server.token_ids method), null: no ids
     ("length_stop_in", pa.string()),  # reasoning | content | null: where a finish_reason=length cut the answer
     ("request_key", pa.string()),  # hash of everything that determines the completion (resume identity)
     ("parent_key", pa.string()),  # the request key of the turn this one continues (null for turn 0)

@@ -23,7 +23,7 @@ from drafter_data.assessment.report import plot, report
 from drafter_data.config import run_stage
 from drafter_data.errors import StageError
 from drafter_data.server.client import make_client
-from drafter_data.server.endpoints import api_key
+from drafter_data.server.endpoints import api_key, check_api_key_env
 from drafter_data.server.serving import servers
 from drafter_data.server.preflight import preflight
 from drafter_data.server.request import RequestSpec
@@ -34,7 +34,10 @@ def main(cfg) -> int:
     a = cfg.assess
     out_dir = Path(a.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = RequestSpec.from_config(cfg, max_tokens=a.get("max_tokens"))
+    check_api_key_env(cfg.server)  # before anything is logged: a key pasted as the variable's name must not leak
+    # measured as generate streams (token ids are generate's business: asking for them can change how a request
+    # is sent)
+    spec = RequestSpec.from_config(cfg, max_tokens=a.get("max_tokens")).with_token_mode("off")
     with stage_run("assess", cfg) as run:
         with servers(cfg.server) as urls:
             metrics = asyncio.run(assess(cfg, spec, urls[0]))

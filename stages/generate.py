@@ -16,6 +16,7 @@ import asyncio
 import json
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from drafter_data.config import run_stage
@@ -24,12 +25,13 @@ from drafter_data.errors import StageError
 from drafter_data.generation.error_log import ErrorLog
 from drafter_data.generation.keys import KeySet
 from drafter_data.generation.lock import OutputLock
-from drafter_data.generation.progress import assessed_tokens_per_s
+from drafter_data.generation.concurrency import LevelController
+from drafter_data.generation.progress import Assessment
 from drafter_data.generation.runner import Runner, RunSettings
 from drafter_data.generation.store import CompletionStore, ResumePlan
 from drafter_data.generation.work import InputKeys, ThinkingModes, count_todo, input_keys, iter_todo
 from drafter_data.server.client import make_client
-from drafter_data.server.endpoints import api_key, redact_url
+from drafter_data.server.endpoints import api_key, check_api_key_env, redact_url
 from drafter_data.server.pool import ServerPool, ServerState
 from drafter_data.server.preflight import preflight
 from drafter_data.server.request import RequestSpec
@@ -38,6 +40,7 @@ from drafter_data.tracking import stage_run
 
 
 def main(cfg) -> int:
+    check_api_key_env(cfg.server)  # before anything is logged: a key pasted as the variable's name must not leak
     spec = RequestSpec.from_config(cfg)
     with OutputLock(Path(cfg.generate.output)), stage_run("generate", cfg) as run, servers(cfg.server) as urls:
         return asyncio.run(generate(cfg, spec, urls, run))
@@ -50,12 +53,15 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     prompts = input_shards(Path(g.input))
     inputs = input_keys(prompts, spec, cfg.target.name, modes)
     store = CompletionStore(Path(g.output))
-    plan = store.plan(KeySet(inputs.keys))  # reads only; nothing moves before preflight has passed
+    plan = store.plan(KeySet(inputs.keys), require_ids=spec.token_ids == "on")  # reads only; moves nothing yet
+    assessed = Assessment.read(g.get("assessment"))
     pool = await connect(cfg, spec, urls, settings, modes)
+    if settings.auto:
+        follow_each_server(pool, settings, assessed)
     apply(store, plan)
     errors = ErrorLog(Path(g.output) / "errors.jsonl", plan.valid)
     total = report_resume(inputs, plan)
-    runner = Runner(spec, settings, pool, store, errors, run, assessed_tokens_per_s(g.get("assessment")))
+    runner = Runner(spec, settings, pool, store, errors, run, assessed)
     try:
         await runner.run_all(iter_todo(prompts, inputs, plan, settings.keep_reasoning), total)
     finally:
@@ -93,6 +99,18 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
     return ServerPool(states, float(cfg.generate.server_down_timeout_s))
 
 
+def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assessment) -> None:
+    """concurrency=auto: a level controller per server, starting at the assessed best level when there is one."""
+    for server in pool.states:
+        server.controller = LevelController.starting_at(assessed.concurrency, settings.concurrency_min,
+                                                        settings.concurrency)
+        pool.set_limit(server, server.controller.level)
+    start = pool.states[0].limit
+    print(f"concurrency: auto, starting at {start} per server "
+          f"({'the assessed best level' if assessed.concurrency else 'no assessment: climbing from there'}), "
+          f"within [{settings.concurrency_min}, {settings.concurrency}]", file=sys.stderr)
+
+
 def apply(store: CompletionStore, plan: ResumePlan) -> None:
     """Moves what the plan says, saying so: unreadable shards, rows of other params, rows wanted again."""
     store.apply(plan)
@@ -128,10 +146,15 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
     (out_dir / "run.json").write_text(json.dumps(summary, indent=2))
     run.artifact(out_dir / "run.json")
     run.artifact(out_dir / "errors.jsonl")
-    run.metrics(metrics)
+    run.metrics({k: v for k, v in metrics.items() if v is not None})
+    with tempfile.TemporaryDirectory() as tmp:
+        if runner.progress.plot(Path(tmp) / "throughput_over_time.png"):
+            run.artifact(Path(tmp) / "throughput_over_time.png", "plots")
     c = runner.c
+    ratio = metrics["throughput_vs_assessed"]
+    check = f" ({ratio:.2f}x the assessed {metrics['assessed_output_tokens_per_s']:.1f})" if ratio else ""
     print(f"generate: {c.done} completions this run ({rows_total} rows in {out_dir}), {c.errors} failed for good, "
-          f"{c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
+          f"{c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s{check}", file=sys.stderr)
 
 
 if __name__ == "__main__":

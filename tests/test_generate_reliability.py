@@ -226,3 +226,19 @@ def test_a_slow_tracking_store_never_stalls_the_streams(fake_server, tmp_path, m
     # ~4 s of requests; a blocked event loop would add 8 s per MLflow batch
     assert summary["elapsed_s"] < 8
     check_exactly_once(prompts, tmp_path / "out")
+
+
+def test_token_ids_on_never_reuses_rows_made_without_them(run_stage, fake_server, tmp_path):
+    from tests.conftest import KIMI_DIR
+
+    server = fake_server({"token_ids": "vllm", "tokenizer_dir": str(KIMI_DIR), "engine": "vllm"})
+    prompts = write_prompts(tmp_path / "in", 8)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out")
+    run_stage("generate", *args, "generation.token_ids=off")
+    assert all(r["completion_token_ids"] is None for r in read_rows(tmp_path / "out", "completions-"))
+    proc = run_stage("generate", *args, "generation.token_ids=on")
+    assert "moved 8 completions" in proc.stderr
+    rows = check_exactly_once(prompts, tmp_path / "out")
+    assert all(len(r["completion_token_ids"]) == r["completion_tokens"] and r["token_ids_via"] for r in rows)
+    proc = run_stage("generate", *args, "generation.token_ids=auto")  # rows with ids serve any mode
+    assert "8 already done, 0 to generate" in proc.stderr

@@ -1,5 +1,5 @@
-"""What a generate run has done so far: counters, the live progress bar (rate, ETA, ETA against the assessment) and
-the metrics sent to MLflow."""
+"""What a generate run has done so far: counters, the live progress bar (rate, concurrency, ETA, ETA against the
+assessment), the metrics sent to MLflow, and the time series behind the throughput/concurrency plot."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+SERIES_EVERY_S = 5.0
+
 
 @dataclass
 class Counters:
@@ -22,76 +24,127 @@ class Counters:
     stopped_by_error: int = 0  # conversations whose later turns were lost with a turn that failed for good
     stopped_at_length: int = 0  # conversations ended by a turn cut at max_tokens (its context would be cut)
     stopped_at_tool_call: int = 0  # conversations ended by a tool call (no tool is run)
+    finished_length: int = 0  # rows cut by max_tokens
+    conversations: int = 0  # conversations settled in this run (every turn answered, or ended early)
     latencies: deque = field(default_factory=lambda: deque(maxlen=2000))  # the recent ones, for percentiles
+    ttfts: deque = field(default_factory=lambda: deque(maxlen=2000))
 
 
-def assessed_tokens_per_s(metrics_path: str | None) -> float | None:
-    """The best output tok/s the assess stage measured for this server, if it has run (optional: for the ETA)."""
-    if not metrics_path:
-        return None
-    try:
-        return float(json.loads(Path(metrics_path).read_text())["best"]["output_tokens_per_s"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+@dataclass
+class Assessment:
+    """What assess measured (optional: generate reads it for the ETA, the throughput check and auto's start)."""
+
+    tokens_per_s: float | None = None
+    concurrency: int | None = None
+
+    @classmethod
+    def read(cls, metrics_path: str | None) -> Assessment:
+        try:
+            best = json.loads(Path(metrics_path).read_text())["best"]
+            return cls(float(best["output_tokens_per_s"]), int(best["concurrency"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls()
 
 
 class Progress:
-    def __init__(self, total: int, counters: Counters, assessed_tok_s: float | None):
-        self.total, self.c, self.assessed_tok_s = total, counters, assessed_tok_s
+    def __init__(self, counters: Counters, assessed: Assessment, servers: int = 1):
+        self.c, self.assessed, self.servers = counters, assessed, servers
+        self.total = 0
         self.t0 = time.monotonic()
         self._shown = 0
         self.bar = None
+        self.concurrency = 0
+        self.series: list[tuple[float, int, float, float | None]] = []  # (s, concurrency, tok/s, ttft p50)
+        self._last_point = (0.0, 0)
 
     def start(self, total: int) -> None:
         """The clock and the bar start with the run (after resume and preflight)."""
         self.total, self.t0 = total, time.monotonic()
-        self.bar = tqdm(total=total, unit="req", desc="generate", file=sys.stderr, dynamic_ncols=True,
+        self.bar = tqdm(total=total, unit="conv", desc="generate", file=sys.stderr, dynamic_ncols=True,
                         mininterval=1.0, disable=None)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
-    def update(self) -> None:
-        finished = self.c.done + self.c.errors
-        self.bar.update(finished - self._shown)
-        self._shown = finished
-        eta_h, projected_h = self.eta_hours()
-        self.bar.set_postfix(tok_s=f"{self.c.output_tokens / max(self.elapsed(), 1e-9):.0f}", errors=self.c.errors,
-                             retries=self.c.retries, eta_h=_hours(eta_h), assessed_h=_hours(projected_h),
-                             refresh=False)
+    def update(self, finished: int, concurrency: int) -> None:
+        """finished: conversations done or given up so far in this run."""
+        self.concurrency = concurrency
+        if self.bar is not None:
+            self.bar.update(finished - self._shown)
+            self._shown = finished
+            eta_h, projected_h = self.eta_hours(finished)
+            self.bar.set_postfix(conc=concurrency, tok_s=f"{self.tokens_per_s():.0f}", errors=self.c.errors,
+                                 retries=self.c.retries, eta_h=_hours(eta_h), assessed_h=_hours(projected_h),
+                                 refresh=False)
+        self._add_point()
+
+    def _add_point(self) -> None:
+        now, (t_last, tokens_last) = self.elapsed(), self._last_point
+        if now - t_last >= SERIES_EVERY_S:
+            rate = (self.c.output_tokens - tokens_last) / (now - t_last)
+            ttft = float(np.median(list(self.c.ttfts)[-64:])) if self.c.ttfts else None
+            self.series.append((now, self.concurrency, rate, ttft))
+            self._last_point = (now, self.c.output_tokens)
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.update(self.c.done + self.c.errors - self._shown)
             self.bar.close()
 
-    def eta_hours(self) -> tuple[float | None, float | None]:
+    def tokens_per_s(self) -> float:
+        return self.c.output_tokens / max(self.elapsed(), 1e-9)
+
+    def eta_hours(self, finished: int) -> tuple[float | None, float | None]:
         """Hours left at the rate seen so far, and as the assessment's measured tok/s projects them."""
         elapsed = self.elapsed()
-        left = self.total - self.c.done - self.c.errors
-        eta = left / (self.c.done / elapsed) / 3600 if self.c.done and elapsed > 0 else None
+        left = self.total - finished
+        eta = left / (finished / elapsed) / 3600 if finished and elapsed > 0 else None
         projected = None
-        if self.assessed_tok_s and self.c.done:
-            projected = left * (self.c.output_tokens / self.c.done) / self.assessed_tok_s / 3600
+        if self.assessed.tokens_per_s and self.c.done and finished:
+            per_conv = self.c.output_tokens / finished
+            projected = left * per_conv / (self.assessed.tokens_per_s * self.servers) / 3600
         return eta, projected
 
     def metrics(self) -> dict:
         elapsed = max(self.elapsed(), 1e-9)
         lat = np.asarray(self.c.latencies) if self.c.latencies else None
+        assessed = self.assessed.tokens_per_s * self.servers if self.assessed.tokens_per_s else None
         return {
             "completions": self.c.done, "errors": self.c.errors, "retries": self.c.retries,
             "stopped_by_error": self.c.stopped_by_error, "stopped_at_length": self.c.stopped_at_length,
             "stopped_at_tool_call": self.c.stopped_at_tool_call,
+            "length_cut_share": self.c.finished_length / self.c.done if self.c.done else None,
             "output_tokens_per_s": self.c.output_tokens / elapsed,
             "requests_per_s": self.c.done / elapsed,
             "latency_p50_s": float(np.percentile(lat, 50)) if lat is not None else None,
             "latency_p99_s": float(np.percentile(lat, 99)) if lat is not None else None,
-            "assessed_output_tokens_per_s": self.assessed_tok_s,
+            "ttft_p50_s": float(np.median(self.c.ttfts)) if self.c.ttfts else None,
+            "assessed_output_tokens_per_s": assessed,
+            # real / projected throughput for the same servers: is the assessment's projection to be trusted?
+            "throughput_vs_assessed": self.c.output_tokens / elapsed / assessed if assessed and self.c.done else None,
         }
 
     def live_metrics(self) -> dict:
-        eta_h, projected_h = self.eta_hours()
-        return {**self.metrics(), "eta_hours": eta_h, "assessed_eta_hours": projected_h}
+        eta_h, projected_h = self.eta_hours(self._shown)
+        return {**self.metrics(), "concurrency": self.concurrency, "eta_hours": eta_h,
+                "assessed_eta_hours": projected_h}
+
+    def plot(self, path: Path) -> bool:
+        """Throughput and concurrency over the run as a PNG; False when the run was too short to plot."""
+        if len(self.series) < 2:
+            return False
+        from drafter_data.plots import png_figure
+
+        t, conc, rate, _ = (np.asarray(v, dtype=float) for v in zip(*[(p[0], p[1], p[2], 0.0) for p in self.series]))
+        with png_figure(path, size=(7, 3.5)) as ax:
+            ax.plot(t / 60, rate, color="tab:blue", label="output tok/s")
+            ax.set_xlabel("minutes")
+            ax.set_ylabel("output tokens/s", color="tab:blue")
+            right = ax.twinx()
+            right.step(t / 60, conc, where="post", color="tab:orange", label="concurrency")
+            right.set_ylabel("requests in flight (limit)", color="tab:orange")
+            ax.set_title("generate: throughput and concurrency over time")
+            ax.grid(alpha=0.3)
+        return True
 
 
 def _hours(h: float | None) -> str:

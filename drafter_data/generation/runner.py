@@ -18,10 +18,10 @@ import orjson
 from drafter_data.errors import StageError
 from drafter_data.generation.conversation import Conversation, split_for_row
 from drafter_data.generation.keys import turn_key
-from drafter_data.generation.progress import Counters, Progress
+from drafter_data.generation.progress import Assessment, Counters, Progress
 from drafter_data.server.client import Completion, complete
 from drafter_data.server.faults import Fault, RetryBudget, backoff_s, classify
-from drafter_data.server.pool import ServerPool, ServerState
+from drafter_data.server.pool import ServerPool, ServerState, sleep_unless
 from drafter_data.server.request import RequestSpec
 
 FLUSH_INTERVAL_S = 2.0  # a kill loses at most this much of finished work, plus what is in flight
@@ -32,7 +32,7 @@ WRITE_ATTEMPTS = 4  # a shard write that fails (disk full) is retried; then the 
 
 @dataclass
 class RunSettings:
-    concurrency: int
+    concurrency: int  # requests in flight; with auto, the most per server (generation.concurrency_max)
     stream: bool
     max_attempts: int
     shard_rows: int
@@ -42,26 +42,37 @@ class RunSettings:
     max_backoff_s: float = 60.0
     max_run_wide_failures: int = 5
     keep_reasoning: bool = False  # generation.history_reasoning == keep
+    auto: bool = False  # generation.concurrency=auto: each server's level follows its throughput
+    concurrency_min: int = 1
 
     @classmethod
     def from_config(cls, cfg) -> RunSettings:
-        g = cfg.generate
-        return cls(concurrency=int(cfg.generation.concurrency), stream=bool(g.get("stream", True)),
+        g, gen = cfg.generate, cfg.generation
+        auto = str(gen.concurrency).lower() == "auto"
+        high = int(gen.get("concurrency_max") or 256)
+        if not auto and (not str(gen.concurrency).isdigit() or int(gen.concurrency) < 1):
+            raise StageError(f"generation.concurrency={gen.concurrency!r}: give a number of requests in flight (>= 1) "
+                             f"or auto")
+        return cls(concurrency=high if auto else int(gen.concurrency), stream=bool(g.get("stream", True)),
                    max_attempts=int(g.max_attempts), shard_rows=int(g.shard_rows), grace_s=float(g.grace_period_s),
                    target=str(cfg.target.name), max_connection_failures=int(g.get("max_connection_failures", 6)),
                    max_backoff_s=float(g.get("max_backoff_s", 60)),
                    max_run_wide_failures=int(g.get("max_run_wide_failures", 5)),
-                   keep_reasoning=cfg.generation.get("history_reasoning", "drop") == "keep")
+                   keep_reasoning=gen.get("history_reasoning", "drop") == "keep", auto=auto,
+                   concurrency_min=max(1, int(gen.get("concurrency_min") or 1)))
+
+    def workers(self, servers: int) -> int:
+        return self.concurrency * servers if self.auto else self.concurrency
 
 
 class Runner:
     def __init__(self, spec: RequestSpec, settings: RunSettings, pool: ServerPool, store, errors, run,
-                 assessed_tok_s: float | None = None):
+                 assessed: Assessment | None = None):
         self.spec, self.settings, self.pool, self.store, self.errors, self.run = \
             spec, settings, pool, store, errors, run
         self.pending: list[dict] = []
         self.c = Counters()
-        self.progress = Progress(0, self.c, assessed_tok_s)
+        self.progress = Progress(self.c, assessed or Assessment(), servers=len(pool.states))
         self.stopping = asyncio.Event()  # no new requests (first signal, or a fatal fault)
         self.abort = asyncio.Event()  # stop now (second signal, or a fatal fault)
         self.fatal: str | None = None
@@ -79,34 +90,38 @@ class Runner:
         ends in a tool call ends the conversation (no tool is run)."""
         while conv.turn < conv.turns and not self.stopping.is_set():
             sent = conv.messages_for_turn()
-            done = await self.request(conv, sent)
+            done, via = await self.request(conv, sent)
             if done is None:
-                if conv.failed and conv.turn + 1 < conv.turns:
-                    self.c.stopped_by_error += 1
+                if conv.failed:
+                    self.c.conversations += 1
+                    self.c.stopped_by_error += conv.turn + 1 < conv.turns
                 return
-            answer = self.record(conv, sent, done)
+            answer = self.record(conv, sent, done, via)
             if conv.turn + 1 >= conv.turns:
+                self.c.conversations += 1
                 return
-            if done.finish_reason == "length":
-                self.c.stopped_at_length += 1
-                return
-            if done.finish_reason == "tool_calls" or done.tool_calls:
-                self.c.stopped_at_tool_call += 1
+            if done.finish_reason == "length" or done.finish_reason == "tool_calls" or done.tool_calls:
+                self.c.conversations += 1
+                if done.finish_reason == "length":
+                    self.c.stopped_at_length += 1
+                else:
+                    self.c.stopped_at_tool_call += 1
                 return
             conv.advance(sent, answer, self.settings.keep_reasoning,
                          turn_key(conv.key, conv.turn + 1, answer, self.settings.keep_reasoning))
 
-    async def request(self, conv: Conversation, sent: list[dict]) -> Completion | None:
-        """One turn until it is answered; None when it failed for good (written to errors.jsonl, conv.failed) or
-        the run is stopping (left for the next run). A server that cannot be reached costs no attempt."""
+    async def request(self, conv: Conversation, sent: list[dict]) -> tuple[Completion | None, str | None]:
+        """One turn until it is answered: (the completion, how its token ids were asked for); (None, None) when it
+        failed for good (written to errors.jsonl, conv.failed) or the run is stopping (left for the next run). A
+        server that cannot be reached costs no attempt."""
         budget = RetryBudget(self.settings.max_attempts, self.settings.max_connection_failures,
                              self.settings.max_backoff_s)
         tools = conv.tools()
         while not self.stopping.is_set():
             server = await self.pool.acquire()
-            server.outstanding += 1
+            spec = server.spec or self.spec
             try:
-                done = await complete(server.client, server.spec or self.spec, sent, tools, thinking=conv.thinking,
+                done = await complete(server.client, spec, sent, tools, thinking=conv.thinking,
                                       stream=self.settings.stream)
             except asyncio.CancelledError:
                 raise
@@ -115,9 +130,11 @@ class Runner:
             else:
                 self.pool.succeeded(server)
                 self.run_wide_streak = 0
-                return done
+                if server.controller is not None:
+                    server.controller.completed(done.completion_tokens, done.latency_s, done.ttft_s)
+                return done, spec.token_ids_via if done.completion_token_ids is not None else None
             finally:
-                server.outstanding -= 1
+                self.pool.release(server)
             self.c.retries += 1
             self.note_fault(server, fault)
             if fault.kind == "run_wide":
@@ -127,9 +144,9 @@ class Runner:
             if wait is None:
                 conv.failed = True
                 self.error(conv, budget.gave_up(fault), budget.attempts + budget.connection_failures)
-                return None
+                return None, None
             await self.pause(wait)
-        return None
+        return None, None
 
     def note_fault(self, server: ServerState, fault: Fault) -> None:
         if fault.kind in ("unreachable", "dropped"):
@@ -147,9 +164,9 @@ class Runner:
 
     async def pause(self, seconds: float) -> None:
         """Sleeps, but wakes at once when the run stops (no new attempt starts during the grace period)."""
-        await _sleep_unless(self.stopping, seconds)
+        await sleep_unless(self.stopping, seconds)
 
-    def record(self, conv: Conversation, sent: list[dict], done: Completion) -> dict:
+    def record(self, conv: Conversation, sent: list[dict], done: Completion, via: str | None) -> dict:
         messages, extras = split_for_row(sent)
         tool_calls = orjson.dumps(done.tool_calls).decode() if done.tool_calls else None
         key_hex = conv.key.hex()
@@ -159,7 +176,8 @@ class Runner:
             "reasoning": done.reasoning, "content": done.content, "finish_reason": done.finish_reason,
             "prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "tool_calls": tool_calls, "prompt_token_ids": done.prompt_token_ids,
-            "completion_token_ids": done.completion_token_ids, "length_stop_in": done.length_stop_in,
+            "completion_token_ids": done.completion_token_ids, "token_ids_via": via,
+            "length_stop_in": done.length_stop_in,
             "request_key": key_hex, "parent_key": conv.parent_key.hex() if conv.parent_key else None,
             "model": self.spec.model, "thinking": conv.thinking, "target": self.settings.target,
             "latency_s": round(done.latency_s, 4),
@@ -167,7 +185,10 @@ class Runner:
         self.errors.resolved(key_hex)
         self.c.done += 1
         self.c.output_tokens += done.completion_tokens
+        self.c.finished_length += done.finish_reason == "length"
         self.c.latencies.append(done.latency_s)
+        if done.ttft_s is not None:
+            self.c.ttfts.append(done.ttft_s)
         if len(self.pending) >= self.settings.shard_rows:
             self._flush_due.set()
         return {"reasoning": done.reasoning, "content": done.content, "tool_calls": tool_calls}
@@ -245,9 +266,10 @@ class Runner:
         full); compaction every COMPACT_INTERVAL_S in the background; metrics to MLflow."""
         last_flush = last_compact = time.monotonic()
         while True:
-            await _sleep_unless(self._flush_due, 1.0)
+            await sleep_unless(self._flush_due, 1.0)
             now = time.monotonic()
-            self.progress.update()
+            self.follow_servers()
+            self.progress.update(self.c.conversations, self.concurrency())
             if self._flush_due.is_set() or (now - last_flush >= FLUSH_INTERVAL_S and self.pending):
                 await self.flush()
                 last_flush = now
@@ -256,6 +278,19 @@ class Runner:
                 self._spawn(self.compact(), "compact")
                 last_compact = now
             self.track(self.progress.live_metrics(), int(self.progress.elapsed()))
+
+    def follow_servers(self) -> None:
+        """generation.concurrency=auto: each server's controller moves its level; the pool applies it."""
+        for server in self.pool.states:
+            if server.controller is not None:
+                level = server.controller.tick()
+                if level is not None:
+                    self.pool.set_limit(server, level)
+
+    def concurrency(self) -> int:
+        if not self.settings.auto:
+            return self.settings.concurrency
+        return sum(s.limit or 0 for s in self.pool.states)
 
     # --- the run ---------------------------------------------------------------------------------------------
 
@@ -278,7 +313,7 @@ class Runner:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.on_signal, sig)
-        n = self.settings.concurrency
+        n = self.settings.workers(len(self.pool.states))
         queue: asyncio.Queue = asyncio.Queue(maxsize=n * 2)
         self.progress.start(total)
         workers = [asyncio.create_task(self.worker(queue), name="worker") for _ in range(n)]
@@ -338,16 +373,6 @@ class Runner:
         print(f"\n{name}: no new requests; in-flight ones get up to {self.settings.grace_s:.0f} s to finish "
               f"({name} again to stop now)", file=sys.stderr)
         self.stopping.set()
-
-
-async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
-    """Sleeps `seconds` or until `event` is set. (Not wait_for: on Python 3.11 it can lose a cancel that arrives
-    together with its timeout, which left a run hanging at its end.)"""
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({waiter}, timeout=max(0.0, seconds))
-    finally:
-        waiter.cancel()
 
 
 def _one_line(task_name: str, exc: BaseException) -> str:

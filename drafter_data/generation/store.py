@@ -25,7 +25,7 @@ from drafter_data.contract import COMPLETIONS, shard_paths, write_table_atomic
 from drafter_data.generation.keys import KEY_DTYPE, KeySet, hex_column
 
 SHARD_PREFIX = "completions-"
-PLAN_COLUMNS = ["request_key", "parent_key", "turn", "turns", "finish_reason"]
+PLAN_COLUMNS = ["request_key", "parent_key", "turn", "turns", "finish_reason", "token_ids_via"]
 
 
 @dataclass
@@ -39,6 +39,7 @@ class ShardKeys:
     turns_done: np.ndarray  # the row's turn
     turns_total: np.ndarray  # the conversation's number of turns
     stopped: np.ndarray  # finish_reason == "stop": the conversation may go on
+    has_ids: np.ndarray  # the server's token ids were stored with the row
 
 
 @dataclass
@@ -84,9 +85,10 @@ class CompletionStore:
     def shards(self) -> list[Path]:
         return shard_paths(self.dir, SHARD_PREFIX)
 
-    def plan(self, wanted0: KeySet) -> ResumePlan:
-        """What is done for the current config (wanted0: the turn-0 keys of the input prompts), and what a resume
-        must move; reads key columns only and changes nothing but leftover temp files."""
+    def plan(self, wanted0: KeySet, require_ids: bool = False) -> ResumePlan:
+        """What is done for the current config (wanted0: the turn-0 keys of the input prompts; require_ids: with
+        generation.token_ids=on, rows without the server's ids do not count), and what a resume must move; reads
+        key columns only and changes nothing but leftover temp files."""
         for leftover in self.dir.glob(".*.tmp-*"):
             leftover.unlink()
         shards, broken = [], []
@@ -97,7 +99,7 @@ class CompletionStore:
             except Exception as exc:  # noqa: BLE001 - any unreadable shard: quarantined, never a crash
                 if not from_stale:
                     broken.append((path, f"{type(exc).__name__}: {exc}"))
-        return _plan(shards, wanted0, broken)
+        return _plan(shards, wanted0, broken, require_ids)
 
     def apply(self, plan: ResumePlan) -> None:
         """Carries out a plan: quarantine, rewrite/move aside, restore. Each step writes before it removes, so a
@@ -170,35 +172,40 @@ def _read_keys(path: Path, from_stale: bool) -> ShardKeys:
     parents = hex_column(table.column("parent_key").to_pylist()) if "parent_key" in names else \
         np.zeros(n, KEY_DTYPE)
     stopped = np.asarray([f == "stop" for f in table.column("finish_reason").to_pylist()], dtype=bool)
+    has_ids = table.column("token_ids_via").is_valid().to_numpy(zero_copy_only=False) if "token_ids_via" in names \
+        else np.zeros(n, dtype=bool)
     return ShardKeys(path, from_stale, hex_column(table.column("request_key").to_pylist()), parents,
-                     ints("turn", 0), np.maximum(ints("turns", 1), 1), stopped)
+                     ints("turn", 0), np.maximum(ints("turns", 1), 1), stopped, has_ids)
 
 
-def _plan(shards: list[ShardKeys], wanted0: KeySet, broken: list) -> ResumePlan:
+def _plan(shards: list[ShardKeys], wanted0: KeySet, broken: list, require_ids: bool) -> ResumePlan:
     """Validity by turn: a turn-0 row is valid when its key is wanted; a turn-k row when its parent is a valid
     turn-(k-1) row. The first copy of a key wins (main shards before .stale)."""
     cat = lambda attr, dtype: np.concatenate([getattr(s, attr) for s in shards]) if shards else np.zeros(0, dtype)  # noqa: E731
     keys, parents, turn = cat("keys", KEY_DTYPE), cat("parents", KEY_DTYPE), cat("turns_done", np.int32)
+    usable = cat("has_ids", bool) if require_ids else np.ones(len(keys), dtype=bool)
     first = np.zeros(len(keys), dtype=bool)
-    if len(keys):
-        first[np.unique(keys, return_index=True)[1]] = True
+    if usable.any():  # the first usable copy of each key wins
+        idx = np.flatnonzero(usable)
+        first[idx[np.unique(keys[idx], return_index=True)[1]]] = True
     valid = first & (turn == 0) & wanted0.contains(keys)
     for t in range(1, int(turn.max()) + 1 if len(turn) else 1):
         level = first & (turn == t)
         valid |= level & KeySet(keys[valid & (turn == t - 1)]).contains(parents)
     has_child = KeySet(parents[valid & (turn > 0)]).contains(keys)
     goes_on = valid & ~has_child & cat("stopped", bool) & (turn < cat("turns_total", np.int32) - 1)
+    duplicate = usable & ~first  # a second copy of a row kept elsewhere; anything else invalid is kept aside
     plan = ResumePlan(valid=KeySet(keys[valid]), done0=KeySet(keys[valid & (turn == 0)]), continue_rows=[],
                       broken=broken)
     offset = 0
     for s in shards:
         rows = slice(offset, offset + len(s.keys))
         offset += len(s.keys)
-        _shard_actions(plan, s, valid[rows], first[rows], goes_on[rows])
+        _shard_actions(plan, s, valid[rows], duplicate[rows], goes_on[rows])
     return plan
 
 
-def _shard_actions(plan: ResumePlan, s: ShardKeys, valid: np.ndarray, first: np.ndarray, goes_on: np.ndarray):
+def _shard_actions(plan: ResumePlan, s: ShardKeys, valid: np.ndarray, duplicate: np.ndarray, goes_on: np.ndarray):
     if goes_on.any():
         table = pq.read_table(s.path).filter(pa.array(goes_on))
         plan.continue_rows += _conform(table).to_pylist()
@@ -208,7 +215,7 @@ def _shard_actions(plan: ResumePlan, s: ShardKeys, valid: np.ndarray, first: np.
             plan.restored_rows += int(valid.sum())
         return
     if not valid.all():
-        stale = int((first & ~valid).sum())
+        stale = int((~duplicate & ~valid).sum())
         plan.keep[s.path] = (valid, stale > 0)
-        plan.duplicate_rows += int((~first).sum())
+        plan.duplicate_rows += int(duplicate.sum())
         plan.stale_rows += stale

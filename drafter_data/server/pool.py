@@ -1,5 +1,7 @@
-"""Several servers behind one queue: each request goes to the healthy server with the fewest outstanding requests;
-a failing one is set aside for a growing pause; when none has answered anything for down_timeout_s, the run stops."""
+"""Several servers behind one queue: each request goes to the healthy server with the most room (fewest outstanding
+requests for its limit); a failing one is set aside for a growing pause; when none has answered anything for
+down_timeout_s, the run stops. A server's `limit` (requests in flight) is None for a fixed run-wide concurrency, or
+the level its controller keeps (generation.concurrency=auto)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from drafter_data.errors import StageError
+from drafter_data.server.endpoints import redact_url
 
 MAX_PAUSE_S = 10.0
 
@@ -20,6 +23,11 @@ class ServerState:
     outstanding: int = 0
     failures: int = 0
     down_until: float = 0.0
+    limit: int | None = None
+    controller: object = None  # a generation.concurrency.LevelController with concurrency=auto
+
+    def room(self) -> float:
+        return float("inf") if self.limit is None else self.limit - self.outstanding
 
 
 class ServerPool:
@@ -27,18 +35,35 @@ class ServerPool:
         self.states = states
         self.down_timeout_s = down_timeout_s
         self.last_success = time.monotonic()
+        self._freed = asyncio.Event()  # a request ended or a limit grew: waiters look again
 
     async def acquire(self) -> ServerState:
+        """A server for one request (counted outstanding until `release`); waits while every server is down or
+        full."""
         while True:
             now = time.monotonic()
             up = [s for s in self.states if s.down_until <= now]
-            if up:
-                return min(up, key=lambda s: s.outstanding)
+            open_ = [s for s in up if s.room() > 0]
+            if open_:
+                chosen = max(open_, key=lambda s: (s.room() if s.limit else -s.outstanding))
+                chosen.outstanding += 1
+                return chosen
             give_up_at = self.last_success + self.down_timeout_s
-            if now > give_up_at:
+            if not up and now > give_up_at:
                 raise StageError(f"no server answered for {self.down_timeout_s:.0f} s "
-                                 f"({', '.join(s.url for s in self.states)}); finished rows are saved, re-run to resume")
-            await asyncio.sleep(min(min(s.down_until for s in self.states), give_up_at) - now + 0.01)
+                                 f"({', '.join(redact_url(s.url) for s in self.states)}); finished rows are saved, "
+                                 f"re-run to resume")
+            wake = min([s.down_until for s in self.states if s.down_until > now] + [give_up_at]) - now + 0.01
+            self._freed.clear()
+            await sleep_unless(self._freed, max(0.01, wake))
+
+    def release(self, s: ServerState) -> None:
+        s.outstanding -= 1
+        self._freed.set()
+
+    def set_limit(self, s: ServerState, limit: int) -> None:
+        s.limit = limit
+        self._freed.set()
 
     def failed(self, s: ServerState, hard: bool) -> None:
         """A request to s failed: set s aside for a pause that doubles with each failure (hard: it cannot be
@@ -63,3 +88,13 @@ class ServerPool:
     async def close(self) -> None:
         for s in self.states:
             await s.client.close()
+
+
+async def sleep_unless(event: asyncio.Event, seconds: float) -> None:
+    """Sleeps `seconds` or until `event` is set. (Not wait_for: on Python 3.11 it can lose a cancel that arrives
+    together with its timeout, which once left a run hanging at its end.)"""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=max(0.0, seconds))
+    finally:
+        waiter.cancel()

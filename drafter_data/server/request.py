@@ -78,6 +78,10 @@ class RequestSpec:
     def with_thinking(self, thinking: bool) -> RequestSpec:
         return RequestSpec(**{**self.__dict__, "thinking": bool(thinking)})
 
+    def with_token_mode(self, mode: str) -> RequestSpec:
+        """This spec with generation.token_ids replaced (auto | on | off)."""
+        return RequestSpec(**{**self.__dict__, "token_ids": token_id_mode(mode), "token_ids_via": None})
+
     def with_token_ids(self, via: str | None) -> RequestSpec:
         """This spec asking for token ids by `via` (ServerFeatures.token_ids from preflight; None: not asking)."""
         id_method(via)  # unknown names fail here, not at the first request

@@ -1,0 +1,136 @@
+"""Benchmark of generation.concurrency=auto against the best fixed level, on a test server with a throughput knee the
+stage does not know (tests/fake_openai_server.py `knee`: with more than N requests generating, every token gets
+slower, so total tokens/s falls beyond N).
+
+In one run, against the same server: the stage at each fixed level of a sweep (output tok/s of its request phase),
+then the stage with concurrency=auto starting from a misleading assessment (the level assess would report from its
+default sweep), then auto again while the knee moves mid-run (N -> 2N), compared over the run's second half with the
+best fixed level for the moved knee. Goals: auto >= 0.95x the best fixed level; >= 0.90x after the knee moved.
+
+    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 600]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench._common import REPO, run_measured  # noqa: E402
+
+SERVER = {"token_delay_s": 0.02, "reasoning_words": 20, "content_words": 20, "knee_penalty": 1.5}
+
+
+def start_server(config: dict) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fake_openai_server", "--config", json.dumps(config)],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline().split()[1])
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def post_config(root: str, values: dict) -> None:
+    req = urllib.request.Request(f"{root}/config", data=json.dumps(values).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=10).read()
+
+
+def tokens_between(root: str, t0: float, t1: float) -> float:
+    with urllib.request.urlopen(f"{root}/stats?since={t0}&until={t1}", timeout=10) as resp:
+        return json.loads(resp.read())["tokens_in_window"] / (t1 - t0)
+
+
+def write_prompts(directory: Path, n: int, tag: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from drafter_data.contract import PROMPTS
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt_id": f"{tag}{i:028x}", "source": "bench", "messages": [{"role": "user", "content": f"{tag} {i}"}]}
+            for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS), directory / "prompts-00000.parquet")
+
+
+def run_stage(url: str, tmp: Path, name: str, n: int, *extra: str) -> dict:
+    write_prompts(tmp / f"in-{name}", n, name)
+    out = tmp / f"out-{name}"
+    run_measured([sys.executable, "-m", "stages.generate", "server=remote", f"server.base_url={url}/v1",
+                  "server.model=fake-model", "target=kimi-k2.6", f"generate.input={tmp / f'in-{name}'}",
+                  f"generate.output={out}", "generation.max_tokens=64", "generation.token_ids=off", *extra],
+                 env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"})
+    return json.loads((out / "run.json").read_text())
+
+
+def sweep(url: str, tmp: Path, levels: list[int], n: int, tag: str) -> dict[int, float]:
+    rates = {}
+    for level in levels:
+        rates[level] = run_stage(url, tmp, f"{tag}{level}", n, f"generation.concurrency={level}")[
+            "output_tokens_per_s"]
+        print(f"  fixed {level:>3}: {rates[level]:7.1f} tok/s", flush=True)
+    return rates
+
+
+def assessment(tmp: Path, level: int, rate: float) -> Path:
+    path = tmp / "metrics.json"
+    path.write_text(json.dumps({"best": {"concurrency": level, "output_tokens_per_s": rate}}))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--knee", type=int, default=12)
+    parser.add_argument("--prompts", type=int, default=600)
+    args = parser.parse_args()
+    knee, n = args.knee, args.prompts
+    server, root = start_server({**SERVER, "knee": knee})
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp:
+            tmp = Path(tmp)
+            print(f"knee at {knee} in flight (unknown to the stage); {n} prompts per run", flush=True)
+            fixed = sweep(root, tmp, [knee // 3, knee // 2, knee - 2, knee, knee + 2, 2 * knee], n, "k1-")
+            best_level, best = max(fixed.items(), key=lambda kv: kv[1])
+            # what assess's default sweep [1, 4, 16] would report as best: a level past the knee
+            start = assessment(tmp, 16 if knee < 16 else 4, fixed.get(2 * knee, best))
+            auto = run_stage(root, tmp, "auto", n, "generation.concurrency=auto", f"generate.assessment={start}")
+            print(f"auto (start 16 from a misleading assessment): {auto['output_tokens_per_s']:.1f} tok/s = "
+                  f"{auto['output_tokens_per_s'] / best:.2f}x the best fixed level ({best_level}: {best:.1f})",
+                  flush=True)
+            cold = run_stage(root, tmp, "cold", n, "generation.concurrency=auto", "generate.assessment=null")
+            print(f"auto (no assessment, climbing from 4): {cold['output_tokens_per_s']:.1f} tok/s = "
+                  f"{cold['output_tokens_per_s'] / best:.2f}x", flush=True)
+            moved_knee(root, tmp, knee, n, start)
+    finally:
+        server.kill()
+
+
+def moved_knee(root: str, tmp: Path, knee: int, n: int, start: Path) -> None:
+    """auto while the knee moves from N to 2N halfway, against the best fixed level for 2N (second half only)."""
+    post_config(root, {"knee": 2 * knee})
+    fixed = sweep(root, tmp, [2 * knee - 4, 2 * knee, 2 * knee + 4], n, "k2-")
+    best_level, best = max(fixed.items(), key=lambda kv: kv[1])
+    post_config(root, {"knee": knee})
+    marks = {}
+
+    def move_knee_later():
+        time.sleep(20)
+        post_config(root, {"knee": 2 * knee})
+        marks["moved"] = time.time()
+
+    mover = threading.Thread(target=move_knee_later)
+    mover.start()
+    run_stage(root, tmp, "moving", 3 * n, "generation.concurrency=auto", f"generate.assessment={start}")
+    mover.join()
+    settled = marks["moved"] + 10
+    rate = tokens_between(root, settled, settled + 20)
+    print(f"knee moved {knee} -> {2 * knee} mid-run: auto {rate:.1f} tok/s over 20 s from 10 s after the move = "
+          f"{rate / best:.2f}x the best fixed level for the new knee ({best_level}: {best:.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
