@@ -30,13 +30,25 @@ OUTPUT_MARKERS = ("stats.json", "rejects.jsonl", "prompts-*.parquet", ".pass1")
 
 
 def main(cfg) -> int:
-    tracking = warm_tracking(cfg)
     pcfg = cfg.prepare
     sources = check_sources(pcfg.sources)
     if (pcfg.get("turns") or "first") not in MODES:
         raise StageError(f"prepare.turns must be one of {', '.join(MODES)}, got {pcfg.get('turns')!r}")
     inputs = {f"the prompt file of source {s['name']!r}": s["path"] for s in sources}
     out_dir = fresh_output_dir(Path(pcfg.output), "prepare.output", inputs, OUTPUT_MARKERS)
+    tracking = warm_tracking(cfg)
+    try:
+        stats = select_prompts(sources, cfg, out_dir)
+    finally:
+        tracking.join()  # also on an error: never exit while MLflow may be creating its database
+    print_summary(stats, out_dir)
+    log_run(cfg, stats, out_dir)
+    return 0
+
+
+def select_prompts(sources: list[dict], cfg, out_dir: Path) -> dict:
+    """Pass 1, dedupe and sampling, pass 2; writes stats.json and returns it."""
+    pcfg = cfg.prepare
     tmp_dir = out_dir / ".pass1"
     tmp_dir.mkdir()
     acc = Accounts([s["name"] for s in sources], out_dir / "rejects.jsonl")
@@ -49,10 +61,7 @@ def main(cfg) -> int:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     stats = acc.stats()
     (out_dir / "stats.json").write_bytes(orjson.dumps(stats, option=orjson.OPT_INDENT_2))
-    print_summary(stats, out_dir)
-    tracking.join()
-    log_run(cfg, stats, out_dir)
-    return 0
+    return stats
 
 
 def warm_tracking(cfg) -> threading.Thread:
