@@ -2,12 +2,14 @@
 stage does not know (tests/fake_openai_server.py `knee`: with more than N requests generating, every token gets
 slower, so total tokens/s falls beyond N).
 
-In one run, against the same server: the stage at each fixed level of a sweep (output tok/s of its request phase),
-then the stage with concurrency=auto starting from a misleading assessment (the level assess would report from its
-default sweep), then auto again while the knee moves mid-run (N -> 2N), compared over the run's second half with the
-best fixed level for the moved knee. Goals: auto >= 0.95x the best fixed level; >= 0.90x after the knee moved.
+In one run, against the same server: the stage at each fixed level of a sweep, then with concurrency=auto starting
+from a misleading assessment (the level assess would report from its default sweep) and from none, then auto again
+while the knee moves mid-run (N -> 2N), compared with the best fixed level for the moved knee. Two figures per run:
+the whole request phase (output tok/s in run.json: the climb included) and the steady state (tokens the server
+produced from STEADY_FROM_S to STEADY_TO_S after the stage started, the same window for every run). Goals: auto
+>= 0.95x the best fixed level; within 10% of it after the knee moved.
 
-    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 600]
+    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 800]
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench._common import REPO, run_measured  # noqa: E402
 
 SERVER = {"token_delay_s": 0.02, "reasoning_words": 20, "content_words": 20, "knee_penalty": 1.5}
+STEADY_FROM_S, STEADY_TO_S = 25.0, 40.0
 
 
 def start_server(config: dict) -> tuple[subprocess.Popen, str]:
@@ -57,35 +60,46 @@ def write_prompts(directory: Path, n: int, tag: str) -> None:
     pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS), directory / "prompts-00000.parquet")
 
 
-def run_stage(url: str, tmp: Path, name: str, n: int, *extra: str) -> dict:
+def run_stage(url: str, tmp: Path, name: str, n: int, *extra: str) -> tuple[float, float]:
+    """(output tok/s of the whole request phase, tok/s the server produced in the steady window)."""
     write_prompts(tmp / f"in-{name}", n, name)
     out = tmp / f"out-{name}"
+    t0 = time.time()
     run_measured([sys.executable, "-m", "stages.generate", "server=remote", f"server.base_url={url}/v1",
                   "server.model=fake-model", "target=kimi-k2.6", f"generate.input={tmp / f'in-{name}'}",
                   f"generate.output={out}", "generation.max_tokens=64", "generation.token_ids=off", *extra],
                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"})
-    return json.loads((out / "run.json").read_text())
+    whole = json.loads((out / "run.json").read_text())["output_tokens_per_s"]
+    return whole, tokens_between(url, t0 + STEADY_FROM_S, t0 + STEADY_TO_S)
 
 
-def sweep(url: str, tmp: Path, levels: list[int], n: int, tag: str) -> dict[int, float]:
+def sweep(url: str, tmp: Path, levels: list[int], n: int, tag: str) -> dict[int, tuple[float, float]]:
     rates = {}
     for level in levels:
-        rates[level] = run_stage(url, tmp, f"{tag}{level}", n, f"generation.concurrency={level}")[
-            "output_tokens_per_s"]
-        print(f"  fixed {level:>3}: {rates[level]:7.1f} tok/s", flush=True)
+        rates[level] = run_stage(url, tmp, f"{tag}{level}", n, f"generation.concurrency={level}")
+        print(f"  fixed {level:>3}: {rates[level][0]:7.1f} tok/s (steady {rates[level][1]:7.1f})", flush=True)
     return rates
 
 
-def assessment(tmp: Path, level: int, rate: float) -> Path:
+def report(label: str, auto: tuple[float, float], fixed: dict[int, tuple[float, float]]) -> None:
+    best_whole = max(fixed.items(), key=lambda kv: kv[1][0])
+    best_steady = max(fixed.items(), key=lambda kv: kv[1][1])
+    print(f"{label}: whole run {auto[0]:.1f} tok/s = {auto[0] / best_whole[1][0]:.2f}x the best fixed level "
+          f"({best_whole[0]}: {best_whole[1][0]:.1f}); steady {auto[1]:.1f} = {auto[1] / best_steady[1][1]:.2f}x "
+          f"({best_steady[0]}: {best_steady[1][1]:.1f})", flush=True)
+
+
+def assessment(tmp: Path, url: str, level: int, rate: float) -> Path:
     path = tmp / "metrics.json"
-    path.write_text(json.dumps({"best": {"concurrency": level, "output_tokens_per_s": rate}}))
+    path.write_text(json.dumps({"best": {"concurrency": level, "output_tokens_per_s": rate},
+                                "server": {"kind": "remote", "model": "fake-model", "url": f"{url}/v1"}}))
     return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--knee", type=int, default=12)
-    parser.add_argument("--prompts", type=int, default=600)
+    parser.add_argument("--prompts", type=int, default=800)
     args = parser.parse_args()
     knee, n = args.knee, args.prompts
     server, root = start_server({**SERVER, "knee": knee})
@@ -94,26 +108,27 @@ def main() -> None:
             tmp = Path(tmp)
             print(f"knee at {knee} in flight (unknown to the stage); {n} prompts per run", flush=True)
             fixed = sweep(root, tmp, [knee // 3, knee // 2, knee - 2, knee, knee + 2, 2 * knee], n, "k1-")
-            best_level, best = max(fixed.items(), key=lambda kv: kv[1])
             # what assess's default sweep [1, 4, 16] would report as best: a level past the knee
-            start = assessment(tmp, 16 if knee < 16 else 4, fixed.get(2 * knee, best))
-            auto = run_stage(root, tmp, "auto", n, "generation.concurrency=auto", f"generate.assessment={start}")
-            print(f"auto (start 16 from a misleading assessment): {auto['output_tokens_per_s']:.1f} tok/s = "
-                  f"{auto['output_tokens_per_s'] / best:.2f}x the best fixed level ({best_level}: {best:.1f})",
-                  flush=True)
-            cold = run_stage(root, tmp, "cold", n, "generation.concurrency=auto", "generate.assessment=null")
-            print(f"auto (no assessment, climbing from 4): {cold['output_tokens_per_s']:.1f} tok/s = "
-                  f"{cold['output_tokens_per_s'] / best:.2f}x", flush=True)
+            start = assessment(tmp, root, 16 if knee < 16 else 4, fixed[2 * knee][0])
+            report("auto, starting at 16 (a misleading assessment)",
+                   run_stage(root, tmp, "auto", n, "generation.concurrency=auto", f"generate.assessment={start}"), fixed)
+            report("auto, no assessment (climbing from 4)",
+                   run_stage(root, tmp, "cold", n, "generation.concurrency=auto", "generate.assessment=null"), fixed)
             moved_knee(root, tmp, knee, n, start)
     finally:
         server.kill()
 
 
 def moved_knee(root: str, tmp: Path, knee: int, n: int, start: Path) -> None:
-    """auto while the knee moves from N to 2N halfway, against the best fixed level for 2N (second half only)."""
+    """auto while the knee moves from N to 2N 20 s in, against the best fixed level for 2N, measured from 10 s
+    after the move."""
     post_config(root, {"knee": 2 * knee})
-    fixed = sweep(root, tmp, [2 * knee - 4, 2 * knee, 2 * knee + 4], n, "k2-")
-    best_level, best = max(fixed.items(), key=lambda kv: kv[1])
+    fixed = {}
+    for level in (2 * knee - 4, 2 * knee, 2 * knee + 4):
+        t0 = time.time()
+        run_stage(root, tmp, f"k2-{level}", 2 * n, f"generation.concurrency={level}")
+        fixed[level] = tokens_between(root, t0 + 30, t0 + 50)
+        print(f"  fixed {level:>3} (knee {2 * knee}): {fixed[level]:7.1f} tok/s", flush=True)
     post_config(root, {"knee": knee})
     marks = {}
 
@@ -126,9 +141,9 @@ def moved_knee(root: str, tmp: Path, knee: int, n: int, start: Path) -> None:
     mover.start()
     run_stage(root, tmp, "moving", 3 * n, "generation.concurrency=auto", f"generate.assessment={start}")
     mover.join()
-    settled = marks["moved"] + 10
-    rate = tokens_between(root, settled, settled + 20)
-    print(f"knee moved {knee} -> {2 * knee} mid-run: auto {rate:.1f} tok/s over 20 s from 10 s after the move = "
+    rate = tokens_between(root, marks["moved"] + 10, marks["moved"] + 30)
+    best_level, best = max(fixed.items(), key=lambda kv: kv[1])
+    print(f"knee moved {knee} -> {2 * knee} mid-run: auto {rate:.1f} tok/s from 10 to 30 s after the move = "
           f"{rate / best:.2f}x the best fixed level for the new knee ({best_level}: {best:.1f})", flush=True)
 
 

@@ -23,7 +23,7 @@ from drafter_data.assessment.report import plot, report
 from drafter_data.config import run_stage
 from drafter_data.errors import StageError
 from drafter_data.server.client import make_client
-from drafter_data.server.endpoints import api_key, check_api_key_env
+from drafter_data.server.endpoints import api_key, check_api_key_env, redact_url
 from drafter_data.server.serving import servers
 from drafter_data.server.preflight import preflight
 from drafter_data.server.request import RequestSpec
@@ -77,7 +77,9 @@ async def assess(cfg, spec: RequestSpec, url: str) -> dict:
     return {"levels": results, "best": best, "projection": project(*job, **kw), "what_if": what_if(*job, share, **kw),
             "measured": {"completion_tokens_mean": float(np.mean([s.tokens for s in all_samples])),
                          "completion_bytes_per_token": kw["completion_bytes_per_token"],
-                         "answer_share": share, "thinking": spec.thinking}}
+                         "answer_share": share, "thinking": spec.thinking},
+            # which server this describes: generate compares its own rate with this one only for the same server
+            "server": {"kind": str(cfg.server.get("kind")), "model": spec.model, "url": redact_url(url)}}
 
 
 def print_projection(p: dict, out_dir: Path) -> None:

@@ -54,7 +54,8 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     inputs = input_keys(prompts, spec, cfg.target.name, modes)
     store = CompletionStore(Path(g.output))
     plan = store.plan(KeySet(inputs.keys), require_ids=spec.token_ids == "on")  # reads only; moves nothing yet
-    assessed = Assessment.read(g.get("assessment"))
+    assessed = Assessment.read(g.get("assessment"), {"model": spec.model, "kind": str(cfg.server.get("kind")),
+                                                     "urls": [redact_url(u) for u in urls]})
     pool = await connect(cfg, spec, urls, settings, modes)
     if settings.auto:
         follow_each_server(pool, settings, assessed)

@@ -21,7 +21,7 @@ from drafter_data.errors import StageError
 from drafter_data.prompts import formats
 from drafter_data.prompts.accounts import Accounts
 from drafter_data.prompts.normalize import normalize_sources
-from drafter_data.prompts.outputs import fresh_output_dir
+from drafter_data.outputs import fresh_output_dir
 from drafter_data.prompts.prompt import MODES
 from drafter_data.prompts.selection import choose, write_chosen
 from drafter_data.tracking import stage_run, tracking_uri

@@ -59,7 +59,7 @@ def test_a_previous_output_is_replaced(run_stage, tmp_path):
 
 @pytest.mark.parametrize("where", ["repo", "repo parent", "filesystem root"])
 def test_the_repo_and_the_folders_above_it_are_never_an_output(where):
-    from drafter_data.prompts.outputs import check_replaceable  # checked without running the stage: nothing at risk
+    from drafter_data.outputs import check_replaceable  # checked without running the stage: nothing at risk
 
     out = {"repo": REPO, "repo parent": REPO.parent, "filesystem root": Path("/")}[where]
     with pytest.raises(StageError, match="the repo|the working directory"):

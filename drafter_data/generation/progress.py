@@ -32,18 +32,22 @@ class Counters:
 
 @dataclass
 class Assessment:
-    """What assess measured (optional: generate reads it for the ETA, the throughput check and auto's start)."""
+    """What assess measured (optional: generate reads it for the ETA, the throughput check and auto's start), when
+    it measured the same server: the same model, and the same URL or both the embedded server."""
 
     tokens_per_s: float | None = None
     concurrency: int | None = None
 
     @classmethod
-    def read(cls, metrics_path: str | None) -> Assessment:
+    def read(cls, metrics_path: str | None, server: dict) -> Assessment:
         try:
-            best = json.loads(Path(metrics_path).read_text())["best"]
-            return cls(float(best["output_tokens_per_s"]), int(best["concurrency"]))
+            metrics = json.loads(Path(metrics_path).read_text())
+            best, measured = metrics["best"], metrics["server"]
         except (OSError, ValueError, KeyError, TypeError):
             return cls()
+        same = measured.get("model") == server["model"] and (
+            measured.get("url") in server["urls"] or measured.get("kind") == server["kind"] == "local")
+        return cls(float(best["output_tokens_per_s"]), int(best["concurrency"])) if same else cls()
 
 
 class Progress:

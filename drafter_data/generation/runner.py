@@ -131,7 +131,7 @@ class Runner:
                 self.pool.succeeded(server)
                 self.run_wide_streak = 0
                 if server.controller is not None:
-                    server.controller.completed(done.completion_tokens, done.latency_s, done.ttft_s)
+                    server.controller.completed(done.completion_tokens, done.latency_s)
                 return done, spec.token_ids_via if done.completion_token_ids is not None else None
             finally:
                 self.pool.release(server)
@@ -283,7 +283,7 @@ class Runner:
         """generation.concurrency=auto: each server's controller moves its level; the pool applies it."""
         for server in self.pool.states:
             if server.controller is not None:
-                level = server.controller.tick()
+                level = server.controller.tick(server.outstanding)
                 if level is not None:
                     self.pool.set_limit(server, level)
 

@@ -239,7 +239,7 @@ async def call_with_retries(call, max_attempts: int, on_retry=None, max_backoff_
                             give_up_on: tuple = ()):
     """await call() until it succeeds; after a permanent or run-wide fault, an exception of `give_up_on`, or
     max_attempts, the last exception is raised. on_retry(fault) is told of each fault that is retried."""
-    budget = RetryBudget(max_attempts, max_backoff_s=max_backoff_s)
+    budget = RetryBudget(max_attempts, max_connection_failures=max_attempts, max_backoff_s=max_backoff_s)
     while True:
         try:
             return await call()
@@ -247,6 +247,8 @@ async def call_with_retries(call, max_attempts: int, on_retry=None, max_backoff_
             raise
         except Exception as exc:  # noqa: BLE001 - classified; re-raised when given up
             fault = classify(exc)
+            if fault.kind == "unreachable":  # here a server that stays away is an answer, not a wait: bounded
+                fault = Fault("dropped", fault.reason, fault.retry_after_s, fault.answered)
             wait = budget.next_wait(fault)
             if wait is None or isinstance(exc, give_up_on):
                 raise

@@ -3,7 +3,7 @@
 A stage starts from an empty output directory, so an old one is deleted first. That is refused, with a message, when
 the directory is (or contains) one of the stage's inputs, or the repo itself, or when it exists, is not empty and
 holds nothing the stage writes (a mistyped path must not wipe somebody's folder).
-Not prepare-specific: generate and tokenize can call `fresh_output_dir` with their own inputs and markers.
+Shared by the stages that replace their output directory (prepare, tokenize), each with its own inputs and markers.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from drafter_data.errors import StageError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def fresh_output_dir(out_dir: Path, key: str, protected: dict[str, Path], markers: tuple[str, ...]) -> Path:

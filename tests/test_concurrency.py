@@ -1,0 +1,98 @@
+"""generation.concurrency=auto: the level controller finds a server's best level and follows it when it moves,
+on a simulated server (deterministic clock) with a throughput knee; the stage runs with it end to end."""
+import json
+
+from drafter_data.generation.concurrency import LevelController
+from tests.conftest import read_rows, write_prompts
+from tests.test_generate import check_exactly_once, gen_args
+
+TOKENS = 40  # per request
+
+
+class KneeServer:
+    """Per-token time grows past `knee` requests in flight (total tokens/s falls), and with `slots`, requests past
+    the slots queue (total tokens/s stays flat, latency grows)."""
+
+    def __init__(self, knee: int, token_s: float = 0.02, penalty: float = 1.5, slots: int | None = None):
+        self.knee, self.token_s, self.penalty, self.slots = knee, token_s, penalty, slots
+
+    def latency(self, level: int) -> float:
+        running = min(level, self.slots) if self.slots else level
+        per_token = self.token_s * max(1.0, running / self.knee) ** self.penalty
+        decode = TOKENS * per_token
+        return decode * (level / running)  # queued requests wait their turn
+
+    def tokens_per_s(self, level: int) -> float:
+        return level * TOKENS / self.latency(level)
+
+
+def simulate(controller: LevelController, server: KneeServer, seconds: int, clock: list) -> list[int]:
+    """One tick a second; each second the requests that finish report (Little's law: level / latency per s)."""
+    levels, owed = [], 0.0
+    for _ in range(seconds):
+        clock[0] += 1.0
+        latency = server.latency(controller.level)
+        owed += controller.level / latency
+        while owed >= 1:
+            controller.completed(TOKENS, latency)
+            owed -= 1
+        controller.tick(controller.level)
+        levels.append(controller.level)
+    return levels
+
+
+def mean_rate(server: KneeServer, levels: list[int]) -> float:
+    return sum(server.tokens_per_s(level) for level in levels) / len(levels)
+
+
+def make(start, clock, low=1, high=256):
+    return LevelController.starting_at(start, low, high, clock=lambda: clock[0])
+
+
+def test_finds_the_knee_from_a_misleading_assessment_and_from_nothing():
+    server = KneeServer(knee=12)
+    best = max(server.tokens_per_s(level) for level in range(1, 257))
+    for start, settle_s in ((16, 60), (64, 150), (None, 60)):
+        clock = [0.0]
+        levels = simulate(make(start, clock), server, 400, clock)
+        assert mean_rate(server, levels[settle_s:]) >= 0.95 * best, (start, levels[settle_s:settle_s + 20])
+        assert 10 <= sorted(levels[settle_s:])[len(levels[settle_s:]) // 2] <= 14
+
+
+def test_follows_a_knee_that_moves_mid_run():
+    server, clock = KneeServer(knee=12), [0.0]
+    controller = make(12, clock)
+    simulate(controller, server, 200, clock)
+    server.knee = 40
+    levels = simulate(controller, server, 300, clock)
+    best = max(server.tokens_per_s(level) for level in range(1, 257))
+    assert mean_rate(server, levels[100:]) >= 0.9 * best and max(levels) >= 35
+    server.knee = 8
+    levels = simulate(controller, server, 300, clock)
+    best = max(server.tokens_per_s(level) for level in range(1, 257))
+    assert mean_rate(server, levels[100:]) >= 0.9 * best
+
+
+def test_a_flat_curve_settles_at_the_smallest_level_that_reaches_it():
+    """Past the engine's slots requests only queue: more in flight buys no throughput, only TTFT."""
+    server, clock = KneeServer(knee=1000, slots=16), [0.0]
+    levels = simulate(make(64, clock), server, 400, clock)
+    assert sorted(levels[200:])[len(levels[200:]) // 2] <= 24
+    assert mean_rate(server, levels[200:]) >= 0.95 * server.tokens_per_s(16)
+
+
+def test_stays_within_its_bounds():
+    server, clock = KneeServer(knee=100), [0.0]
+    levels = simulate(make(None, clock, low=2, high=20), server, 200, clock)
+    assert min(levels) >= 2 and max(levels) == 20
+
+
+def test_the_stage_runs_with_auto_and_logs_its_levels(run_stage, fake_server, tmp_path):
+    server = fake_server({"token_delay_s": 0.005, "knee": 6})
+    prompts = write_prompts(tmp_path / "in", 200)
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
+                                           "generation.concurrency_max=32", "generate.assessment=null"))
+    assert "concurrency: auto, starting at 4 per server" in proc.stderr
+    check_exactly_once(prompts, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["completions"] == 200
+    assert len(read_rows(tmp_path / "out", "completions-")) == 200
