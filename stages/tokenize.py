@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -33,7 +34,7 @@ from drafter_data.tokens.lengths import LengthHistograms
 from drafter_data.tokens.regroup import partition_by_conversation
 from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
 from drafter_data.tokens.rows import init_worker, tokenize_task, worker_conversation, worker_settings_loaded
-from drafter_data.tracking import preload
+from drafter_data.tracking import stage_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,17 +52,26 @@ def main(cfg) -> int:
         settings["server_root"] = root
         init_worker(settings)  # here first: a missing file fails once, clearly, before any worker starts
         tasks = plan_tasks(in_paths, out_dir, settings)
-        counts, lengths = tokenize_all(tasks, settings, int(tcfg.get("workers") or 1), root is not None)
-        meta = metadata(cfg, settings, worker_conversation(), counts)
-    shutil.rmtree(out_dir / ".conversations", ignore_errors=True)
+        # workers are forked before MLflow's thread starts; the run is opened (and mlflow imported) while they work
+        with task_map(int(tcfg.get("workers") or 1), root is not None, len(tasks)) as map_tasks, \
+                stage_run("tokenize", cfg) as run:
+            preload_plotting()
+            counts, lengths = tokenize_all(map_tasks, tasks, settings["max_length"])
+            shutil.rmtree(out_dir / ".conversations", ignore_errors=True)
+            finish(cfg, run, metadata(cfg, settings, worker_conversation(), counts), throughput(counts), lengths)
+    return 0
+
+
+def finish(cfg, run, meta: dict, speed: dict, lengths) -> None:
+    """meta.json, the summary, MLflow; then a one-line refusal when the result crosses a threshold."""
+    tcfg, out_dir = cfg.tokenize, Path(cfg.tokenize.output)
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
-    speed = throughput(counts)
     print("\n".join(summary_lines(meta, speed, out_dir, float(tcfg.max_drift_rate))), file=sys.stderr)
-    log_run(cfg, meta, speed, out_dir, lengths, getattr(worker_conversation().tokenizer, "think_end_id", None) is None)
+    log_run(run, meta, speed, out_dir, lengths,
+            estimated_reasoning=getattr(worker_conversation().tokenizer, "think_end_id", None) is None)
     problems = result_problems(meta, float(tcfg.max_drop_share), float(tcfg.max_drift_rate))
     if problems:
         raise StageError("; ".join(problems) + f" (details in {out_dir / 'meta.json'})")
-    return 0
 
 
 def input_shards(directory: Path) -> list[Path]:
@@ -130,36 +140,38 @@ def plan_tasks(in_paths: list[Path], out_dir: Path, settings: dict) -> list[tupl
     return tasks
 
 
-def tokenize_all(tasks: list, settings: dict, workers: int, server_kind: bool) -> tuple[Counter, LengthHistograms]:
+def tokenize_all(map_tasks, tasks: list, max_length: int) -> tuple[Counter, LengthHistograms]:
     """Every task through tokenize_task; returns the summed counts (with the tokenizing window and the workers'
     busy time, in ms) and the length histograms."""
-    counts, lengths = Counter(read=0, kept=0), LengthHistograms(settings["max_length"])
+    counts, lengths = Counter(read=0, kept=0), LengthHistograms(max_length)
     first, last = float("inf"), 0.0
-    with task_map(workers, server_kind, len(tasks)) as map_tasks:
-        for task_counts, task_lengths, (start, end) in map_tasks(tokenize_task, tasks):
-            counts.update(task_counts)
-            lengths.merge(task_lengths)
-            first, last = min(first, start), max(last, end)
-            counts["time.busy_ms"] += round((end - start) * 1000)
+    for task_counts, task_lengths, (start, end) in map_tasks(tokenize_task, tasks):
+        counts.update(task_counts)
+        lengths.merge(task_lengths)
+        first, last = min(first, start), max(last, end)
+        counts["time.busy_ms"] += round((end - start) * 1000)
     counts["time.window_ms"] = round(max(0.0, last - first) * 1000)
     return counts, lengths
+
+
+def preload_plotting() -> None:
+    """matplotlib (about a second to import) in the background while the workers run, for the length plot."""
+    threading.Thread(target=lambda: __import__("matplotlib.pyplot"), daemon=True).start()
 
 
 @contextmanager
 def task_map(workers: int, server_kind: bool, n_tasks: int):
     """Threads for the server tokenizer (the work is the server's) or a single worker; else worker processes,
     forked where the platform allows: they start with the tokenizer this process loaded (no imports, no second
-    load). Forked before any thread of ours exists; MLflow is imported in the background only after."""
+    load). Enter it before any thread of ours starts."""
     if server_kind or workers == 1 or n_tasks == 1:
         with ThreadPoolExecutor(max_workers=workers * 2 if server_kind else 1) as pool:
-            preload()
             yield pool.map
         return
     fork = "fork" in get_all_start_methods()
     context = get_context("fork" if fork else "spawn")
     options = {} if fork else {"initializer": init_worker, "initargs": (worker_settings_loaded(),)}
     with context.Pool(min(workers, n_tasks), **options) as pool:
-        preload()
         yield pool.imap_unordered
 
 

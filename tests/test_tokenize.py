@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
 from drafter_data.tokens.conversation import ConversationTokenizer
-from drafter_data.tokens.tokenizers import KimiTokenizer, split_long_runs
+from drafter_data.tokens.tokenizers import KimiTokenizer, may_be_cut, split_long_runs
 from tests.conftest import KIMI_DIR, REPO, read_rows, require_shared
 
 
@@ -129,6 +129,51 @@ def test_long_runs_are_cut_like_the_reference():
     for text in ["a" * 60_001, " " * 25_001 + "b" * 50_000 + "\n" * 3, "x y " * 9000, "é" * 25_000,
                  "ab " + "\u3000" * 30_000 + "z" * 24_999]:
         assert split_long_runs(text) == reference(text)
+
+
+def test_the_quick_cut_check_never_misses_a_cut():
+    """may_be_cut decides whether one tiktoken call can replace the reference's chunked, run-cut encoding: when it
+    says no, the reference's cut must leave the text whole."""
+    import random
+
+    rng = random.Random(7)
+    texts = ["word " * 20_000, "x" * 24_999 + " " + "y" * 24_999, "x" * 25_001 + " tail", " " * 25_001 + "z",
+             "a" * 400_001, ("b" * 12_499 + "\n") * 5]
+    for _ in range(200):
+        parts = [rng.choice(["a", " ", "\n", "\u4e2d", "\t"]) * rng.choice([1, 5, 3000, 12_500, 20_000, 25_001])
+                 for _ in range(rng.randint(1, 8))]
+        texts.append("".join(parts))
+    said_no = 0
+    for text in texts:
+        if not may_be_cut(text):
+            said_no += 1
+            assert split_long_runs(text) == [text] and len(text) <= 400_000
+    assert not may_be_cut("x" * 100) and may_be_cut("x" * 25_001) and may_be_cut("a" * 400_001)
+    assert said_no > 20
+
+
+def test_encode_chat_split_is_the_two_halves_encoded_apart():
+    """One call over prompt + answer, cut after the prompt's final special token, gives exactly the prompt's and
+    the answer's own ids; also when that token's spelling occurs earlier (a user writing <think>) and for text
+    over 25k characters."""
+    target = OmegaConf.load(REPO / "conf/target/kimi-k2.6.yaml")
+    target.tokenizer_dir = str(KIMI_DIR)
+    tok = KimiTokenizer(KIMI_DIR)
+    conv = ConversationTokenizer(target, tok, {"thinking": True, "preserve_thinking": True})
+    cases = [c["messages"] for c in goldens() if not c["add_generation_prompt"]]
+    cases.append([{"role": "user", "content": "what does <think> do? <think></think>"},
+                  {"role": "assistant", "content": "it opens <think> ... " * 3000, "reasoning_content": "hm " * 9000}])
+    checked = 0
+    for thinking in (True, False):
+        for messages in cases:
+            prompt = conv.render(messages[:-1], add_generation_prompt=True, thinking=thinking)
+            full = conv.render(messages, thinking=thinking)
+            if not full.startswith(prompt):  # thinking off, but the answer has reasoning: not a row tokenize keeps
+                continue
+            head, tail = tok.encode_chat_split(full, len(prompt))
+            assert head.tolist() == tok.encode_chat(prompt) and tail.tolist() == tok.encode_chat(full[len(prompt):])
+            checked += 1
+    assert checked >= 16
 
 
 def test_long_segment_between_special_tokens(run_stage, tmp_path):

@@ -31,10 +31,11 @@ def chat_template_kwargs(thinking_kwarg: str, thinking: bool, template_kwargs: d
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """Hugging Face's sandbox, with its verdict on an attribute of a dict, list or str remembered: for these types it
-    depends only on the type and the attribute's name (a quarter of the render time otherwise)."""
+    """Hugging Face's sandbox, with its verdicts on attributes of a dict, list or str remembered: for these types
+    they depend only on the type and the attribute's name (a quarter of the render time otherwise)."""
 
-    _verdicts: dict = {}
+    _verdicts: dict = {}  # (type, attribute) -> is_safe_attribute
+    _plain: dict = {}  # (type, attribute) -> the attribute exists, is safe and needs no str.format wrapper
 
     def is_safe_attribute(self, obj, attr, value) -> bool:
         kind = type(obj)
@@ -44,6 +45,21 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         if verdict is None:
             verdict = self._verdicts[(kind, attr)] = super().is_safe_attribute(obj, attr, value)
         return verdict
+
+    def getattr(self, obj, attribute):
+        kind = type(obj)
+        if kind is dict or kind is list or kind is str:
+            plain = self._plain.get((kind, attribute))
+            if plain is None:
+                value = getattr(obj, attribute, _MISSING)
+                plain = self._plain[(kind, attribute)] = value is not _MISSING and self.wrap_str_format(
+                    value) is None and self.is_safe_attribute(obj, attribute, value)
+            if plain:
+                return getattr(obj, attribute)
+        return super().getattr(obj, attribute)
+
+
+_MISSING = object()
 
 
 @lru_cache(maxsize=8)

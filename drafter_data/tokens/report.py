@@ -89,19 +89,18 @@ def summary_lines(meta: dict, speed: dict, out_dir: Path, max_drift_rate: float)
     return lines
 
 
-def log_run(cfg, meta: dict, speed: dict, out_dir: Path, lengths: LengthHistograms, estimated_reasoning: bool) -> None:
-    from drafter_data.tracking import stage_run
-
-    with stage_run("tokenize", cfg) as run:
-        run.metrics({**{f"rows.{k}": v for k, v in meta["rows"].items()}, "tokens": meta["tokens"],
-                     "loss_tokens": meta["loss_tokens"], "output_rows": meta["output_rows"],
-                     "tokens_per_row_mean": meta["tokens"] / meta["output_rows"] if meta["output_rows"] else 0.0,
-                     **{f"drift.{k}": v for k, v in meta["drift"].items()},
-                     **{f"prompt_ids.{k}": v for k, v in meta["prompt_ids"].items()},
-                     **{f"thinking_rows.{k}": v for k, v in meta["thinking_rows"].items()}, **speed})
-        run.artifact(out_dir / "meta.json")
-        if meta["output_rows"]:
-            with tempfile.TemporaryDirectory() as tmp:
-                png = Path(tmp) / "token_lengths.png"
-                lengths.plot(png, estimated_reasoning)
-                run.artifact(png, "plots")
+def log_run(run, meta: dict, speed: dict, out_dir: Path, lengths: LengthHistograms, estimated_reasoning: bool) -> None:
+    """Into the stage's MLflow run (drafter_data.tracking.stage_run): counts, drift, thinking split, throughput,
+    meta.json and the length plot."""
+    run.metrics({**{f"rows.{k}": v for k, v in meta["rows"].items()}, "tokens": meta["tokens"],
+                 "loss_tokens": meta["loss_tokens"], "output_rows": meta["output_rows"],
+                 "tokens_per_row_mean": meta["tokens"] / meta["output_rows"] if meta["output_rows"] else 0.0,
+                 **{f"drift.{k}": v for k, v in meta["drift"].items()},
+                 **{f"prompt_ids.{k}": v for k, v in meta["prompt_ids"].items()},
+                 **{f"thinking_rows.{k}": v for k, v in meta["thinking_rows"].items()}, **speed})
+    run.artifact(out_dir / "meta.json")
+    if meta["output_rows"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            png = Path(tmp) / "token_lengths.png"
+            lengths.plot(png, estimated_reasoning)
+            run.figure(png)

@@ -24,7 +24,7 @@ from drafter_data.errors import StageError
 from drafter_data.tokens.columns import COLUMNS, turns_from_batch
 from drafter_data.tokens.conversation import ConversationTokenizer
 from drafter_data.tokens.lengths import LengthHistograms
-from drafter_data.tokens.turns import Dropped, Turn, compare_prompt, context_ids, answer_ids, reasoning_tokens, \
+from drafter_data.tokens.turns import Dropped, Turn, answer_ids, compare_prompt, context_ids, reasoning_tokens, \
     turn_texts
 
 FINISH_REASONS = ("stop", "length", "tool_calls")
@@ -67,8 +67,9 @@ class TokenRow:
 def per_turn_row(conv: ConversationTokenizer, turn: Turn, counts: Counter) -> TokenRow:
     """The context exactly as sent for this turn + this turn's answer; loss over the answer only."""
     prompt, answer = turn_texts(conv, turn)
-    context = context_ids(conv, turn, prompt, counts)
-    sampled = answer_ids(conv, turn, answer, counts)
+    ours, retokenized = conv.tokenizer.encode_chat_split(prompt + answer, len(prompt))
+    context = context_ids(turn, ours, counts)
+    sampled = answer_ids(conv, turn, retokenized, counts)
     reasoning = reasoning_tokens(conv, turn, answer, sampled)
     return TokenRow(turn.prompt_id, turn.turn, turn.thinking, np.concatenate([context, sampled]),
                     [(len(context), len(context) + len(sampled))], [prompt, answer],
@@ -91,12 +92,14 @@ def conversation_row(conv: ConversationTokenizer, turns: list[Turn], counts: Cou
                              f"that rewrites history, e.g. generation.history_reasoning=drop); use "
                              f"tokenize.rows=per_turn")
         if k == 0:
-            context = context_ids(conv, turn, prompt, counts)
+            ours, retokenized = conv.tokenizer.encode_chat_split(prompt + answer, len(prompt))
+            context = context_ids(turn, ours, counts)
         else:
-            context = conv.tokenizer.encode_chat_np(full[done:len(prompt)])
+            context, retokenized = conv.tokenizer.encode_chat_split(full[done:len(prompt) + len(answer)],
+                                                                    len(prompt) - done)
             if turn.prompt_token_ids is not None:
                 compare_prompt(turn, conv.tokenizer.encode_chat_np(prompt), counts)
-        sampled = answer_ids(conv, turn, answer, counts)
+        sampled = answer_ids(conv, turn, retokenized, counts)
         start = sum(map(len, pieces)) + len(context)
         pieces += [context, sampled]
         spans.append((start, start + len(sampled)))

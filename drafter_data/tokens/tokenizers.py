@@ -61,6 +61,22 @@ def split_long_runs(text: str) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def may_be_cut(text: str) -> bool:
+    """Whether the reference's chunking or run cut could split `text` (False is exact: a run longer than
+    MAX_RUN_CHARS covers a whole aligned window of half that length, and here every such window holds a space or
+    newline and a non-space). Checked at memchr speed, unlike split_long_runs' regex pass."""
+    if len(text) <= MAX_RUN_CHARS:
+        return False
+    if len(text) > MAX_CHUNK_CHARS:
+        return True
+    width = MAX_RUN_CHARS // 2
+    for start in range(0, len(text) - width + 1, width):
+        window = text[start:start + width]
+        if not ((" " in window or "\n" in window) and not window.isspace()):
+            return True
+    return False
+
+
 class KimiTokenizer:
     """tiktoken BPE with the K2.x ranks, pre-tokenization regex and 256-id special block, plus the reference's
     chunking and its handling of special-token text inside content (the transformers slow-tokenizer path)."""
@@ -119,10 +135,10 @@ class KimiTokenizer:
     def encode_chat(self, text: str) -> list[int]:
         """As `apply_chat_template(tokenize=True)`: split on the named added tokens, encode the pieces between with
         every special spelling allowed (so `<|reserved_token_N|>` in content becomes id N, as in the reference)."""
-        if self._added_re is None or len(text) <= MAX_RUN_CHARS:
+        if self._added_re is None or not may_be_cut(text):
             # No piece can be cut here, and tiktoken splits at every allowed special spelling exactly as the
             # named-token split + per-piece encode does: one call gives the same ids, faster.
-            return self.encode(text, allow_special_tokens=True)
+            return self._enc.encode(text, allowed_special=self._allowed, disallowed_special=())
         ids: list[int] = []
         for i, part in enumerate(self._added_re.split(text)):
             if i % 2:
@@ -133,10 +149,22 @@ class KimiTokenizer:
 
     def encode_chat_np(self, text: str) -> np.ndarray:
         """encode_chat as an int32 array (straight into numpy, no Python list of ints, for text that is never cut)."""
-        if len(text) <= MAX_RUN_CHARS:
+        if self._added_re is None or not may_be_cut(text):
             return self._enc.encode_to_numpy(text, allowed_special=self._allowed, disallowed_special=()).astype(
                 np.int32)
         return np.asarray(self.encode_chat(text), dtype=np.int32)
+
+    def encode_chat_split(self, text: str, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of text[:pos], ids of text[pos:]). Where text[:pos] ends with a named added token (a generation
+        prompt does), the reference splits there anyway: one call over the whole text, cut after the same number of
+        that token's ids as its spelling occurs before pos (each spelling is exactly one id)."""
+        head = text[:pos]
+        end = next((s for s in self._added_ids if head.endswith(s)), None) if pos else None
+        if end is None:
+            return self.encode_chat_np(head), self.encode_chat_np(text[pos:])
+        ids = self.encode_chat_np(text)
+        cut = int(np.flatnonzero(ids == self._added_ids[end])[head.count(end) - 1]) + 1
+        return ids[:cut], ids[cut:]
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
@@ -172,6 +200,10 @@ class HFTokenizer:
 
     def encode_chat_np(self, text: str) -> np.ndarray:
         return np.asarray(self.encode_chat(text), dtype=np.int32)
+
+    def encode_chat_split(self, text: str, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of text[:pos], ids of text[pos:]), each tokenized on its own (as the server tokenizes a prompt)."""
+        return self.encode_chat_np(text[:pos]), self.encode_chat_np(text[pos:])
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
@@ -253,6 +285,10 @@ class ServerTokenizer:
 
     def encode_chat_np(self, text: str) -> np.ndarray:
         return np.asarray(self.encode_chat(text), dtype=np.int32)
+
+    def encode_chat_split(self, text: str, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of text[:pos], ids of text[pos:]), each tokenized on its own (as the server tokenizes a prompt)."""
+        return self.encode_chat_np(text[:pos]), self.encode_chat_np(text[pos:])
 
     def decode(self, ids: list[int]) -> str:
         return self._post("/detokenize", {"tokens": ids})["content"]

@@ -48,15 +48,6 @@ class Turn:
         return self.finish_reason == "length"
 
 
-@dataclass
-class TurnTokens:
-    prompt_text: str
-    answer_text: str
-    context: np.ndarray  # the prompt's ids (the server's when it returned them)
-    answer: np.ndarray  # what the target produced: the sampled ids, or the answer text retokenized
-    reasoning_tokens: int  # of `answer`, the reasoning part (for the length plot)
-
-
 def answer_message(turn: Turn) -> dict:
     """The answer as the template renders it; for a cut answer, SENTINEL marks the end of the last thing sampled
     (the last tool call's arguments, else the content, else the reasoning)."""
@@ -120,17 +111,15 @@ def compare_prompt(turn: Turn, ours: np.ndarray, counts: Counter) -> None:
         counts["prompt.rows_differ"] += not np.array_equal(ours, turn.prompt_token_ids)
 
 
-def context_ids(conv: ConversationTokenizer, turn: Turn, prompt_text: str, counts: Counter) -> np.ndarray:
+def context_ids(turn: Turn, ours: np.ndarray, counts: Counter) -> np.ndarray:
     """The server's prompt ids when it returned them (compared with ours), else our render tokenized."""
-    ours = conv.tokenizer.encode_chat_np(prompt_text)
     compare_prompt(turn, ours, counts)
     return ours if turn.prompt_token_ids is None else turn.prompt_token_ids
 
 
-def answer_ids(conv: ConversationTokenizer, turn: Turn, answer_text: str, counts: Counter) -> np.ndarray:
+def answer_ids(conv: ConversationTokenizer, turn: Turn, retokenized: np.ndarray, counts: Counter) -> np.ndarray:
     """The sampled ids (a finished answer closed by the end-of-turn) when the server returned them, else the answer
     text retokenized; with ids, the retokenization is compared (drift)."""
-    retokenized = conv.tokenizer.encode_chat_np(answer_text)
     if turn.completion_token_ids is None:
         return retokenized
     sampled = turn.completion_token_ids
@@ -162,10 +151,3 @@ def reasoning_tokens(conv: ConversationTokenizer, turn: Turn, answer_text: str, 
     end = answer_text.find(turn.reasoning)
     share = (end + len(turn.reasoning)) / len(answer_text) if end >= 0 and answer_text else 0.0
     return round(share * len(answer))
-
-
-def tokenize_turn(conv: ConversationTokenizer, turn: Turn, counts: Counter) -> TurnTokens:
-    prompt_text, answer_text = turn_texts(conv, turn)
-    context = context_ids(conv, turn, prompt_text, counts)
-    answer = answer_ids(conv, turn, answer_text, counts)
-    return TurnTokens(prompt_text, answer_text, context, answer, reasoning_tokens(conv, turn, answer_text, answer))
