@@ -141,7 +141,11 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
     n_errors = errors.close()
     rows_total = len(plan.valid) + runner.c.done
     metrics = {**runner.progress.metrics(), "done_total": rows_total, "failed_total": n_errors}
+    levels = {redact_url(sv.url): [[round(t - runner.progress.t0, 1), level, round(rate, 1)]
+                                    for t, level, rate in sv.controller.history]
+              for sv in runner.pool.states if sv.controller is not None}
     summary = {**metrics, "elapsed_s": runner.progress.elapsed(), "prompts": len(inputs.keys),
+               **({"concurrency_levels": levels} if levels else {}),
                "stale_moved": plan.stale_rows, "restored": plan.restored_rows,
                "quarantined_shards": len(plan.broken), "stopped_reason": runner.fatal}
     (out_dir / "run.json").write_text(json.dumps(summary, indent=2))

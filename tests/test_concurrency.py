@@ -67,10 +67,10 @@ def test_follows_a_knee_that_moves_mid_run():
     levels = simulate(controller, server, 300, clock)
     best = max(server.tokens_per_s(level) for level in range(1, 257))
     assert mean_rate(server, levels[100:]) >= 0.9 * best and max(levels) >= 35
-    server.knee = 8
-    levels = simulate(controller, server, 300, clock)
+    server.knee = 8  # and down: 5x too many in flight, every request 10x slower, so each window takes longer
+    levels = simulate(controller, server, 600, clock)
     best = max(server.tokens_per_s(level) for level in range(1, 257))
-    assert mean_rate(server, levels[100:]) >= 0.9 * best
+    assert mean_rate(server, levels[300:]) >= 0.9 * best
 
 
 def test_a_flat_curve_settles_at_the_smallest_level_that_reaches_it():

@@ -1,18 +1,19 @@
 """generation.concurrency=auto: each server's level (requests in flight) follows the server's best by itself.
 
-A hill climb on the server's output tokens/s, in log steps:
-- after a level change, only requests sent at the new level are measured; the rate comes from Little's law,
-  tokens/s = (requests in flight) x (tokens per request) / (seconds per request), averaged over at least `level`
-  such requests (a few seconds on a fast server, a few request lifetimes on a slow one). Unlike counting the tokens
-  that happen to finish in a window, it has little noise, and queueing shows in it: requests that wait for a
-  slot take longer, so a level past the server's capacity measures no better;
-- better than the level before by more than NOISE: keep going that way (the step grows back towards 2x after two
-  gains in a row, so a moved knee is found again quickly);
-- worse, or not better while going up (a flat curve means requests only queue, TTFT climbs): turn around with half
-  the step (never below MIN_STEP, so the climb keeps probing and follows a knee that moves mid-run);
-- when fewer requests are in flight than the level allows (the end of the input), nothing is decided.
-The first climb starts from the assessed best level (assess's metrics.json) in small steps, or, without an
-assessment, doubles from 4.
+How a level is measured: only requests sent at that level count, and their rate comes from Little's law,
+tokens/s = level x (tokens per request) / (seconds per request), over at least 2 x `level` requests (seconds on a
+fast server, a few request lifetimes on a slow one). Unlike counting the tokens that happen to finish in a window it
+has little noise, and queueing shows in it: requests that wait for a slot take longer, so a level past the server's
+capacity measures no better. A step down is measured once the requests above it have drained; when there is not
+enough work to fill the level (the end of the input), nothing is decided.
+
+How the level moves: a pattern search around the best level known, in log steps. A cycle measures the best level
+again (so a knee that moves is noticed), then its neighbour one step away in the direction that last paid off, then
+the other neighbour. A neighbour that beats the best by more than NOISE (the lower one: that is no worse than it by
+more than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best and the
+step grows by half (towards 2x: a far-off start or a knee that moved is reached in a few cycles); when neither does, the step halves,
+down to MIN_STEP, so the level ends up spending its time at the best and one small step either side of it. The
+search starts from the assessed best level (assess's metrics.json) in small steps, or without one from 4, doubling.
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ class LevelController:
     low: int
     high: int
     step: float = MAX_STEP
-    direction: int = 1
-    min_window_s: float = 2.0
+    direction: int = 1  # the side probed first
+    min_window_s: float = 3.0
     clock: object = time.monotonic
     history: list = field(default_factory=list)  # (time, level, tokens/s) per measured level
-    _previous: tuple[int, float] | None = None  # (level, tokens/s)
-    _gains: int = 0
+    best: int = 0
+    best_rate: float = 0.0
+    _phase: str = "best"  # what the current measurement is: the best again, the first or the second neighbour
     _changed_at: float = 0.0
     _tokens: int = 0
     _seconds: float = 0.0
@@ -45,7 +47,7 @@ class LevelController:
     _settled: bool = True
 
     def __post_init__(self):
-        self.level = self._clamp(self.level)
+        self.level = self.best = self._clamp(self.level)
         self._changed_at = self.clock()
 
     @classmethod
@@ -72,39 +74,48 @@ class LevelController:
             self._settled = True
             self._start_window(now)
         self._in_flight.append(in_flight)
-        if self._requests < max(self.level, 4) or now - self._changed_at < self.min_window_s:
+        if self._requests < max(2 * self.level, 8) or now - self._changed_at < self.min_window_s:
             return None
-        busy = sum(self._in_flight) / len(self._in_flight)
-        if busy < 0.8 * self.level:  # not enough work to fill the level: nothing to learn
+        if min(self._in_flight) < 0.8 * self.level:  # not enough work to fill the level: nothing to learn
             self._start_window(now)
             return None
-        rate = busy * self._tokens / max(self._seconds, 1e-9)
+        rate = self.level * self._tokens / max(self._seconds, 1e-9)
         self.history.append((now, self.level, rate))
-        new = self._decide(rate)
+        new = self._next_level(rate)
         self._start_window(now)
-        self._settled = False
-        return new
-
-    def _decide(self, rate: float) -> int | None:
-        previous, self._previous = self._previous, (self.level, rate)
-        if previous is not None and previous[0] != self.level:
-            gain = rate / max(previous[1], 1e-9) - 1
-            if gain > NOISE:
-                self._gains += 1
-                if self._gains >= 2:
-                    self.step = min(MAX_STEP, self.step * 1.5)
-            elif gain < -NOISE or self.level > previous[0]:
-                self.direction = -1 if self.level > previous[0] else 1
-                self.step = max(MIN_STEP, self.step / 2)
-                self._gains = 0
-        new = self._clamp(round(self.level * math.exp(self.direction * self.step)))
-        if new == self.level:
-            new = self._clamp(self.level + self.direction)
-        if new == self.level:  # at a bound: probe the other way
-            self.direction = -self.direction
-            new = self._clamp(self.level + self.direction)
+        self._settled = new >= self.level
+        changed = new != self.level
         self.level = new
-        return new
+        return new if changed else None
+
+    def _next_level(self, rate: float) -> int:
+        if self._phase == "best":
+            self.best_rate = rate
+            return self._probe("first", self.direction)
+        below = self.level < self.best  # as good with fewer in flight is better: less queueing, the same tok/s
+        if rate > self.best_rate * (1 + NOISE) or (below and rate >= self.best_rate * (1 - NOISE / 2)):
+            # a better level: move there, stride out the same way
+            self.direction = -1 if below else 1
+            self.best, self.best_rate = self.level, rate
+            self.step = min(MAX_STEP, self.step * 1.5)
+            return self._probe("first", self.direction)
+        if self._phase == "first":
+            return self._probe("second", -self.direction)
+        self.step = max(MIN_STEP, self.step / 2)  # neither side pays: look closer
+        self._phase = "best"
+        return self.best
+
+    def _probe(self, phase: str, direction: int) -> int:
+        """The neighbour of the best one step towards `direction` (at a bound: the other side)."""
+        for side in (direction, -direction):
+            level = self._clamp(round(self.best * math.exp(side * self.step)))
+            if level == self.best:
+                level = self._clamp(self.best + side)
+            if level != self.best:
+                self._phase = phase
+                return level
+        self._phase = "best"
+        return self.best
 
     def _start_window(self, now: float) -> None:
         self._changed_at, self._tokens, self._seconds, self._requests, self._in_flight = now, 0, 0.0, 0, []
