@@ -161,3 +161,40 @@ def test_memory_stays_flat_on_broken_input(run_stage, mlflow_uri, tmp_path):
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert [(r["source"], r["line"], r["index"]) for r in rejects] == [("lst", 2, 1), ("line", 2, 2)]
     assert rss < 450, f"peak RSS {rss:.0f} MB for {size >> 20} MB inputs"
+
+
+def test_the_fast_path_gives_what_the_per_record_path_gives(run_stage, tmp_path):
+    """Item 14.2: prepare's JSONL fast path (blocks of lines, the plainest records inline) against the per-record path,
+    on the real prompt files and on a file with every case the fast path hands on or reads alone."""
+    plain = lambda text: {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "a"}]}
+    lines = [json.dumps(plain("first"))] + [json.dumps(plain(f"p{i}")) for i in range(300)] + [
+        json.dumps({"conversations": [{"from": "gpt", "value": "cut mid-way"}, {"from": "human", "value": "later"}]}),
+        json.dumps({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "with system"}]}),
+        json.dumps({"system": "top", "conversations": [{"from": "human", "value": "top system"}]}),
+        json.dumps({"conversations": [{"from": "function_call", "value": "{}"}, {"from": "human", "value": "x"}]}),
+        json.dumps({"conversations": [{"from": "HUMAN", "value": "odd case"}]}),
+        json.dumps({"conversations": [{"from": "human", "value": ["not", "a string"]}]}),
+        json.dumps({"conversations": [{"from": "human", "value": "   "}]}),
+        json.dumps({"conversations": [{"from": "human", "value": ""}]}),
+        json.dumps({"conversations": [{"from": "gpt", "value": "only answers"}]}),
+        json.dumps({"conversations": []}), json.dumps({"prompt": "a plain prompt"}), json.dumps(plain("p7")),
+        "", "   ", '{"conversations": [', "[1, 2]", "null", json.dumps(plain("x" * 40000)),
+        json.dumps(plain("y" * 1_500_000)), json.dumps(plain("after the long line")) + "\r",
+        json.dumps(plain("caf\u00e9 \u2603 \U0001f600")), json.dumps(plain("nul \u0000 inside")),
+    ]
+    path = tmp_path / "messy.jsonl"
+    body = ("\n".join(lines) + "\n").encode() + b'{"conversations": [{"from": "human", "value": "\xff"}]}\n'
+    path.write_bytes("\ufeff".encode() + body + json.dumps(plain("no final line break")).encode())
+    sources = [("messy", path)] + [(p.stem, p) for p in sorted((REPO.parent / "shared/fixtures/prompts").iterdir())
+                                   if p.suffix in (".json", ".jsonl")]
+    results = {}
+    for fast in ("true", "false"):
+        rows, stats, rejects = run_prepare(run_stage, tmp_path / fast, sources, f"prepare.fast_path={fast}")
+        results[fast] = (sorted(rows, key=lambda r: r["prompt_id"]), stats,
+                         sorted(rejects, key=lambda r: (r["source"], r["line"])))
+    fast, slow = results["true"], results["false"]
+    assert fast[1] == slow[1]  # counts per source and reason
+    assert fast[2] == slow[2]  # rejects: file, line, index, reason, detail, raw
+    assert fast[0] == slow[0]
+    assert fast[1]["messy"]["read"] == len(lines) - 2 + 2 and fast[1]["messy"]["kept"] > 300
+    assert {r["reason"] for r in fast[2] if r["source"] == "messy"} >= {"wrong_type", "too_long"}

@@ -35,8 +35,12 @@ def test_generate_then_tokenize_against_llama_server(run_stage, llama_server, tm
         t = tokens[r["prompt_id"]]
         start = t["loss_mask"].index(1)
         assert set(t["loss_mask"][start:]) == {1} and len(t["loss_mask"]) == len(t["input_ids"])
-        # what the model saw as its prompt = our tokens before the mask + the "<think>\n" the prompt ended with
-        assert start + len(think) == r["prompt_tokens"]
+        # the context is exactly the prompt the server saw, its "<think>\n" included (prefilled: context, not loss);
+        # the loss is exactly the ids the server sampled
+        assert start == r["prompt_tokens"] == len(r["prompt_token_ids"])
+        assert t["input_ids"][:start] == r["prompt_token_ids"] and r["prompt_token_ids"][-len(think):] == think
+        assert t["input_ids"][start:] == r["completion_token_ids"] and len(r["completion_token_ids"]) == \
+            r["completion_tokens"]
     meta = json.loads((tmp_path / "t" / "meta.json").read_text())
     assert meta["special_ids"]["mask_token_id"] == 4 and meta["vocab_size"] == 262144
     assert list(meta["tokenizer"]["files_sha256"]) == ["gemma-3-270m-q4_k_m.gguf"]

@@ -1,8 +1,8 @@
 """One parsed record -> the candidate prompt it becomes: (digest, messages, tools JSON, message_extras JSON, turns),
 or Malformed(reason, detail) for a record that is malformed or unusable (empty, no user turn, too long, ...).
 
-The plainest ShareGPT record (prepare.turns=first, its first turn a user's string) has a quick path that gives the
-same digest and prompt without the general path's work: most records of a large run take it.
+The plainest ShareGPT record (prepare.turns=first, its first user turn a string after nothing but plain answers) has a
+quick path that gives the same digest and prompt without the general path's work: most records of a large run take it.
 """
 from __future__ import annotations
 
@@ -50,20 +50,32 @@ def _identified(messages: list[dict], declared: list | None, tools_json: str | N
 
 
 SHAREGPT_FORMATS = frozenset({"auto", "jsonl", "sharegpt"})
-_USER_SPEAKERS = frozenset(name for name, role in formats.ROLE_NAMES.items() if role == "user")
+USER_SPEAKERS = frozenset(name for name, role in formats.ROLE_NAMES.items() if role == "user")
+_ANSWER_SPEAKERS = frozenset(name for name, role in formats.ROLE_NAMES.items()
+                             if role == "assistant" and name not in formats.CALL_SPEAKERS)
 
 
 def plain_first_turn(record) -> str | None:
-    """The text of a record's first turn when the record is the plainest ShareGPT case for prepare.turns=first: its
-    first turn a user's string, no system prompt, no tools. The general path gives the same prompt, only slower."""
+    """The text of a record's first user turn when the record is the plainest ShareGPT case for prepare.turns=first:
+    no system prompt, no tools, and before that turn only answers of plain text (dropped by `first`; ShareGPT
+    conversations cut mid-way start with one), every turn a string with an exact speaker name. The general path gives
+    the same prompt, only slower."""
     if type(record) is not dict or "system" in record or "tools" in record or "functions" in record:
         return None
     turns = record.get("conversations")
-    first = turns[0] if type(turns) is list and turns else None
-    if type(first) is not dict:
+    if type(turns) is not list:
         return None
-    speaker, text = first.get("from"), first.get("value")
-    return text if type(speaker) is str and speaker in _USER_SPEAKERS and type(text) is str else None
+    for turn in turns:
+        if type(turn) is not dict:
+            return None
+        speaker, text = turn.get("from"), turn.get("value")
+        if type(speaker) is not str or type(text) is not str:
+            return None
+        if speaker in USER_SPEAKERS:
+            return text
+        if speaker not in _ANSWER_SPEAKERS:
+            return None
+    return None
 
 
 def _check_length(messages: list[dict], mode: str, max_chars) -> None:
@@ -78,7 +90,15 @@ def _blank(text: str) -> bool:
     return not text or text.isspace()
 
 
-_PLAIN_HEAD, _PLAIN_TAIL = b'[{"role":"user","content":', b"}]"
+_PLAIN_HEAD, PLAIN_DIGEST_TAIL = b'[{"role":"user","content":', b"}]"
+_PLAIN_HASHER = blake2b(_PLAIN_HEAD, digest_size=16)
+
+
+def plain_digest_hasher():
+    """blake2b (16 bytes) that has hashed what comes before the text in a one-user-message prompt's digest: a copy,
+    updated with orjson.dumps(text) and PLAIN_DIGEST_TAIL, gives plain_prompt_digest's digest, without concatenating
+    the bytes first."""
+    return _PLAIN_HASHER.copy()
 
 
 def plain_prompt_digest(text: str, max_chars, count_tokens, max_tokens) -> bytes:
@@ -90,7 +110,7 @@ def plain_prompt_digest(text: str, max_chars, count_tokens, max_tokens) -> bytes
         raise Malformed("too_long", "")
     if count_tokens is not None and count_tokens([{"role": "user", "content": text}], None) > max_tokens:
         raise Malformed("too_many_tokens", "")
-    return blake2b(_PLAIN_HEAD + orjson.dumps(text) + _PLAIN_TAIL, digest_size=16).digest()
+    return blake2b(_PLAIN_HEAD + orjson.dumps(text) + PLAIN_DIGEST_TAIL, digest_size=16).digest()
 
 
 def _with_extras(messages: list[dict], extras: list | None) -> list[dict]:

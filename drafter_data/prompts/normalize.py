@@ -19,11 +19,13 @@ from omegaconf import OmegaConf
 from drafter_data.contract import MESSAGE, PROMPTS
 from drafter_data.errors import StageError
 from drafter_data.prompts.accounts import Accounts
-from drafter_data.prompts.candidate import SHAREGPT_FORMATS, normalize_record, plain_first_turn, plain_prompt_digest
-from drafter_data.prompts.columns import int32_array, repeated_string, string_array
+from drafter_data.prompts.candidate import (PLAIN_DIGEST_TAIL, SHAREGPT_FORMATS, normalize_record,
+                                            plain_digest_hasher, plain_first_turn, plain_prompt_digest)
+from drafter_data.prompts.columns import repeated_string, string_array
 from drafter_data.prompts.malformed import Malformed
-from drafter_data.prompts.items import BadRecord, raw_text
-from drafter_data.prompts.records import DEFAULT_MAX_RECORD_BYTES, is_json_list, line_ranges, read_records
+from drafter_data.prompts.items import BadRecord, parse_error, raw_text
+from drafter_data.prompts.records import (DEFAULT_MAX_RECORD_BYTES, is_json_list, jsonl_blocks, line_ranges,
+                                          open_source, read_records)
 from drafter_data.prompts.selection import BATCH, write_pass1_shard
 
 FLUSH_CHARS = 8 << 20  # a unit's buffered prompt text is written out at this size (or every BATCH rows)
@@ -39,7 +41,7 @@ def plan_units(sources: list[dict], split_bytes: int, max_record_bytes: int) -> 
         ranges = [(0, None)] if json_list else line_ranges(src["path"], split_bytes)
         for start, end in ranges:
             units.append({"unit": len(units), "source_index": src_index, **src, "path": str(src["path"]),
-                          "start": start, "end": end})
+                          "start": start, "end": end, "jsonl": not json_list})
     return units
 
 
@@ -91,50 +93,137 @@ def max_record_bytes(pcfg) -> int:
 
 def normalize_unit(unit: dict, pcfg: dict, tmp_dir: str, target: dict | None) -> dict:
     """Pass 1 over one unit (runs in a worker): candidates into tmp_dir shards named to sort in unit order, rejects
-    into a part file with lines and indexes relative to the unit's start. Returns the digests and the counts."""
+    into a part file with lines and indexes relative to the unit's start. Returns the digests and the counts.
+
+    A JSONL range is read a block of lines at a time and its plainest records (see candidate.plain_first_turn) are
+    turned into rows inline; every other line goes through the same per-record steps as a JSON list's elements
+    (prepare.fast_path=false reads every unit that way: same rows, rejects and counts, only slower)."""
     out = UnitOutput(unit, Path(tmp_dir))
     counter = _prompt_token_counter(target) if pcfg.get("max_prompt_tokens") else None
-    reader_stats: dict = {}
-    plain = (pcfg.get("turns") or "first") == "first" and unit["format"] in SHAREGPT_FORMATS and not unit["fields"]
-    max_chars, max_tokens = pcfg.get("max_prompt_chars"), pcfg.get("max_prompt_tokens")
-    records = read_records(Path(unit["path"]), unit["start"], unit["end"], reader_stats, max_record_bytes(pcfg))
+    handle = RecordHandler(unit, pcfg, out, counter)
     with out:
-        for item in records:
-            if type(item) is BadRecord:
-                out.reject(item.line, item.index, item.reason, item.detail, item.raw)
-                continue
-            line, index, record, raw = item
-            try:
-                text = plain_first_turn(record) if plain else None
-                if text is not None:  # the common case, without building what the general path needs
-                    out.add_user_prompt(plain_prompt_digest(text, max_chars, counter, max_tokens), text)
-                else:
-                    out.add(*normalize_record(record, raw, unit, pcfg, counter))
-            except Malformed as exc:
-                out.reject(line, index, exc.args[0], exc.args[1], raw_text(raw.rstrip(b"\r\n")))
-            except StageError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a record must never stop the run; counted and listed
-                out.reject(line, index, "unexpected_error", f"{type(exc).__name__}: {exc}",
-                           raw_text(raw.rstrip(b"\r\n")))
-    read = reader_stats.get("records", 0)  # every record the reader yielded, good or not
-    if read != len(out.digests) // 16 + sum(out.dropped.values()):  # kept is derived from read: it must add up
-        raise StageError(f"{unit['path']}: {read} records read but {len(out.digests) // 16} kept and "
-                         f"{sum(out.dropped.values())} rejected (a bug in prepare; please report it)")
+        if pcfg.get("fast_path", True) and unit["jsonl"]:
+            lines, read = _fast_jsonl(unit, pcfg, out, handle)
+        else:
+            reader_stats: dict = {}
+            for item in read_records(Path(unit["path"]), unit["start"], unit["end"], reader_stats,
+                                     max_record_bytes(pcfg)):
+                handle(item)
+                out.maybe_flush()
+            lines, read = reader_stats.get("lines", 0), reader_stats.get("records", 0)
+    kept = len(out.digests) // 16
+    if read != kept + sum(out.dropped.values()):  # kept is derived from read: it must add up
+        raise StageError(f"{unit['path']}: {read} records read but {kept} kept and {sum(out.dropped.values())} "
+                         f"rejected (a bug in prepare; please report it)")
     return {"unit": unit["unit"], "digests": bytes(out.digests), "read": read, "dropped": out.dropped,
-            "lines": reader_stats.get("lines", 0), "records": read}
+            "lines": lines, "records": read}
+
+
+class RecordHandler:
+    """The per-record path: one item of a reader (a parsed record, or a BadRecord) into a candidate row or a reject."""
+
+    def __init__(self, unit: dict, pcfg: dict, out: "UnitOutput", counter):
+        self.unit, self.pcfg, self.out, self.counter = unit, pcfg, out, counter
+        self.plain = (pcfg.get("turns") or "first") == "first" and unit["format"] in SHAREGPT_FORMATS \
+            and not unit["fields"]
+        self.max_chars, self.max_tokens = pcfg.get("max_prompt_chars"), pcfg.get("max_prompt_tokens")
+
+    def __call__(self, item) -> None:
+        out = self.out
+        if type(item) is BadRecord:
+            out.reject(item.line, item.index, item.reason, item.detail, item.raw)
+            return
+        line, index, record, raw = item
+        try:
+            text = plain_first_turn(record) if self.plain else None
+            if text is not None:  # the common case, without building what the general path needs
+                out.add_user_prompt(plain_prompt_digest(text, self.max_chars, self.counter, self.max_tokens), text)
+            else:
+                out.add(*normalize_record(record, raw, self.unit, self.pcfg, self.counter))
+        except Malformed as exc:
+            out.reject(line, index, exc.args[0], exc.args[1], raw_text(raw.rstrip(b"\r\n")))
+        except StageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a record must never stop the run; counted and listed
+            out.reject(line, index, "unexpected_error", f"{type(exc).__name__}: {exc}", raw_text(raw.rstrip(b"\r\n")))
+
+
+def _fast_jsonl(unit: dict, pcfg: dict, out: "UnitOutput", handle: RecordHandler) -> tuple[int, int]:
+    """A JSONL range, a block of lines at a time (records.jsonl_blocks). A line whose record is the plainest case
+    (candidate.plain_first_turn; with prepare.max_prompt_tokens unset) becomes its row right here: the digest and row
+    that plain_prompt_digest and add_user_prompt give. Any other line is handed, as the item jsonl_records would yield
+    for it (same line, index and bytes), to the per-record path. Returns (lines, records) read."""
+    loads, dumps, decode_error = orjson.loads, orjson.dumps, orjson.JSONDecodeError
+    plain = handle.plain and handle.counter is None
+    max_chars = handle.max_chars or 0
+    first_turn = plain_first_turn
+    copy_hasher = plain_digest_hasher().copy
+    tail = PLAIN_DIGEST_TAIL
+    digests, contents = out.digests, out.contents
+    line_no = index = 0
+    with open_source(Path(unit["path"])) as fh:
+        fh.seek(unit["start"])
+        length = None if unit["end"] is None else unit["end"] - unit["start"]
+        for block, end in jsonl_blocks(fh, length, max_record_bytes(pcfg)):
+            if block is None:  # a line read alone (at a BOM, too long for a block, without a line break at the end)
+                line_no += 1
+                if end is not None:  # the item
+                    index += 1
+                    if type(end) is BadRecord:
+                        end.line, end.index = line_no, index
+                        handle(end)
+                    else:
+                        handle((line_no, index, end[2], end[3]))
+                    out.maybe_flush()
+                continue
+            view, find = memoryview(block), block.find
+            pos, chars = 0, 0
+            while pos < end:
+                cut = find(b"\n", pos) + 1
+                line = view[pos:cut]  # with its line break, as jsonl_records reads it
+                pos = cut
+                line_no += 1
+                try:
+                    record = loads(line)
+                except decode_error as exc:
+                    raw = bytes(line)
+                    if not raw.strip():
+                        continue
+                    index += 1
+                    reason, detail = parse_error(raw, exc)
+                    handle(BadRecord(line_no, index, reason, detail, raw_text(raw.rstrip(b"\r\n"))))
+                    continue
+                index += 1
+                text = first_turn(record) if plain else None
+                if text and not text.isspace() and not (max_chars and len(text) > max_chars):
+                    h = copy_hasher()  # plain_prompt_digest(text, ...)
+                    h.update(dumps(text))
+                    h.update(tail)
+                    digests += h.digest()
+                    contents.append(text)
+                    chars += len(text)
+                    continue
+                handle((line_no, index, record, bytes(line)))
+            out.chars += chars
+            out.maybe_flush()
+    return line_no, index
 
 
 class UnitOutput:
-    """One unit's candidates (buffered as flat Arrow columns, flushed every BATCH rows or FLUSH_CHARS of text) and
-    rejects."""
+    """One unit's candidates and rejects. Rows are buffered as their digests (16 bytes a row, kept for the whole unit)
+    and their messages' contents; a row that is not one plain user message also keeps its roles, tools, extras and
+    turns aside. The buffer becomes an Arrow batch (maybe_flush: from BATCH rows or FLUSH_CHARS of text on) built
+    column by column, the plain rows' columns without a step per row."""
 
     def __init__(self, unit: dict, tmp: Path):
         self.name, self.path, self.n, self.tmp = unit["name"], unit["path"], unit["unit"], tmp
         self.digests = bytearray()
+        self.contents: list[str] = []  # cleared in place: the fast path holds on to it
+        self.general: list[tuple] = []  # (row in the batch, roles, tools, extras, turns)
+        self.batch_start = 0  # where the batch's digests start in self.digests
+        self.chars = 0
         self.dropped: Counter = Counter()
         self.shard = 0
-        self._reset()
         self._rejects = open(tmp / f"rejects-{self.n:05d}.jsonl", "wb")
 
     def __enter__(self):
@@ -144,9 +233,8 @@ class UnitOutput:
         self.flush()
         self._rejects.close()
 
-    def _reset(self) -> None:
-        self.tools, self.extras, self.turns = [], [], []
-        self.offsets, self.roles, self.contents, self.chars = [0], [], [], 0
+    def rows(self) -> int:
+        return (len(self.digests) - self.batch_start) >> 4
 
     def reject(self, line: int, index: int, reason: str, detail: str, raw: str) -> None:
         self.dropped[reason] += 1
@@ -160,47 +248,74 @@ class UnitOutput:
             self._rejects.write(orjson.dumps(safe) + b"\n")
 
     def add(self, digest: bytes, messages: list[dict], tools: str | None, extras: str | None, turns: int) -> None:
+        self.general.append((self.rows(), [m["role"] for m in messages], tools, extras, turns))
         self.digests += digest
-        self.tools.append(tools)
-        self.extras.append(extras)
-        self.turns.append(turns)
         for m in messages:
-            self.roles.append(m["role"])
             self.contents.append(m["content"])
             self.chars += len(m["content"])
-        self.offsets.append(len(self.roles))
-        if len(self.tools) >= BATCH or self.chars >= FLUSH_CHARS:
-            self.flush()
 
     def add_user_prompt(self, digest: bytes, text: str) -> None:
         """add(digest, [{"role": "user", "content": text}], None, None, 1), quicker."""
         self.digests += digest
-        self.tools.append(None)
-        self.extras.append(None)
-        self.turns.append(1)
-        self.roles.append("user")
         self.contents.append(text)
         self.chars += len(text)
-        self.offsets.append(len(self.roles))
-        if len(self.tools) >= BATCH or self.chars >= FLUSH_CHARS:
+
+    def maybe_flush(self) -> None:
+        if self.rows() >= BATCH or self.chars >= FLUSH_CHARS:
             self.flush()
 
     def flush(self) -> None:
-        n = len(self.tools)
+        n = self.rows()
         if not n:
             return
-        ids = self.digests[len(self.digests) - 16 * n:].hex()
+        ids = self.digests[self.batch_start:].hex()
         id_offsets = np.arange(0, 32 * (n + 1), 32, dtype=np.int32)
+        turns = np.ones(n, dtype=np.int32)
+        if self.general:
+            counts = np.ones(n, dtype=np.int32)
+            tools, extras = [None] * n, [None] * n
+            for row, roles, tools[row], extras[row], turns[row] in self.general:
+                counts[row] = len(roles)
+            offsets = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(counts, out=offsets[1:])
+            roles = _roles_column(self.general, offsets, len(self.contents))
+            tools, extras = string_array(tools), string_array(extras)
+        else:  # one user message a row: every column but the contents follows from n
+            offsets = np.arange(n + 1, dtype=np.int32)
+            roles = repeated_string("user", n)
+            tools = extras = pa.nulls(n, pa.string())
         # built from flat columns and buffers: much faster than converting a list of lists of dicts
-        messages = pa.ListArray.from_arrays(int32_array(self.offsets), pa.StructArray.from_arrays(
-            [string_array(self.roles), string_array(self.contents)], fields=list(MESSAGE)))
+        messages = pa.ListArray.from_arrays(_int32(offsets), pa.StructArray.from_arrays(
+            [roles, string_array(self.contents)], fields=list(MESSAGE)))
         table = pa.Table.from_arrays([
             pa.StringArray.from_buffers(n, pa.py_buffer(id_offsets), pa.py_buffer(ids.encode("ascii"))),
-            repeated_string(self.name, n), messages, string_array(self.tools), string_array(self.extras),
-            int32_array(self.turns)], schema=PROMPTS)
+            repeated_string(self.name, n), messages, tools, extras, _int32(turns)], schema=PROMPTS)
         write_pass1_shard(table, self.tmp / f"pass1-{self.n:05d}-{self.shard:05d}.arrow")
         self.shard += 1
-        self._reset()
+        self.contents.clear()
+        self.general.clear()
+        self.batch_start, self.chars = len(self.digests), 0
+
+
+_ROLES = ("user", "system", "assistant", "tool")
+_ROLE_CODES = {role: code for code, role in enumerate(_ROLES)}
+
+
+def _int32(values: np.ndarray) -> pa.Array:
+    return pa.Array.from_buffers(pa.int32(), len(values), [None, pa.py_buffer(values)])
+
+
+def _roles_column(general: list[tuple], offsets: np.ndarray, total: int) -> pa.Array:
+    """The messages' roles: "user", but where the general rows say otherwise."""
+    if any(role not in _ROLE_CODES for _, roles, *_ in general for role in roles):  # not from normalize_record
+        names = ["user"] * total
+        for row, roles, *_ in general:
+            names[offsets[row]: offsets[row] + len(roles)] = roles
+        return string_array(names)
+    codes = np.zeros(total, dtype=np.int8)
+    for row, roles, *_ in general:
+        codes[offsets[row]: offsets[row] + len(roles)] = [_ROLE_CODES[role] for role in roles]
+    return string_array(list(_ROLES)).take(pa.Array.from_buffers(pa.int8(), total, [None, pa.py_buffer(codes)]))
 
 
 def _prompt_token_counter(target: dict):

@@ -22,6 +22,7 @@ from drafter_data.prompts.jsonlist import read_lists
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
 _SKIP_CHUNK = 1 << 20
 _MAX_BLANK_LINES_SNIFFED = 10_000
+BLOCK_BYTES = 1 << 20  # what jsonl_blocks reads at a time
 
 
 def open_source(path: Path) -> BinaryIO:
@@ -103,6 +104,35 @@ def read_records(path: Path, start: int = 0, end: int | None = None, stats: dict
         else:
             fh.seek(start)
             yield from jsonl_records(fh, None if end is None else end - start, max_record_bytes, stats)
+
+
+def jsonl_blocks(fh: BinaryIO, length: int | None, max_record_bytes: int,
+                 block_bytes: int | None = None) -> Iterator[tuple]:
+    """The lines jsonl_records reads (same range, same lines), a block at a time, unparsed: yields (block, end) where
+    block[:end] is whole lines, each ending with a line break. A line that is not wholly inside a block read (longer
+    than a block, the range's last line without a line break) and the file's first line when it starts with a BOM
+    are read by jsonl_records itself, alone: yielded as (None, its item), with line and index 1 (the caller numbers
+    lines and records), or (None, None) when the line is blank. No line inside a block is too large: a block is at
+    most max_record_bytes long."""
+    block_bytes = max(1, min(block_bytes or BLOCK_BYTES, max_record_bytes))
+    pos = fh.tell()
+    end = None if length is None else pos + length
+    while end is None or pos < end:
+        want = block_bytes if end is None else min(block_bytes, end - pos)
+        buf = fh.read(want)
+        if not buf:
+            break
+        cut = buf.rfind(b"\n") + 1
+        if not cut or (pos == 0 and buf.startswith(BOM)):
+            fh.seek(pos)  # one line, read as jsonl_records reads it (skipped without being held when too large)
+            items = list(jsonl_records(fh, 1, max_record_bytes, {}))
+            pos = fh.tell()
+            yield None, items[0] if items else None
+            continue
+        yield buf, cut
+        pos += cut
+        if cut < len(buf):
+            fh.seek(pos)  # the cut line is read again, whole, with the next block
 
 
 def jsonl_records(fh: BinaryIO, length: int | None, max_record_bytes: int, stats: dict, line_no: int = 0,
