@@ -2,10 +2,11 @@
 
 Against the same instant local test server (tests/fake_openai_server.py, streaming, thinking on), each side in its
 own process at the same concurrency: requests/s of the stage and of a bare `AsyncOpenAI` streaming loop, their ratio
-(goal >= 0.9), and the stage's CPU seconds per 1,000 completions. Then the time the stage takes to resume over 1M
-finished rows (nothing left to send; goal < 10 s).
+(goal >= 0.9), and the stage's CPU seconds per 1,000 completions. Then the time and peak RSS of the stage resuming
+over N finished rows (nothing left to send): goals < 10 s at 1M, < 20 s and < 1 GB at 4.3M (the seed's pool); the
+peak RSS at both sizes shows whether memory stays flat per prompt.
 
-    .venv/bin/python bench/generate.py [--requests 6000] [--concurrency 64 256] [--resume-rows 1000000]
+    .venv/bin/python bench/generate.py [--requests 6000] [--concurrency 64 256] [--resume-rows 1000000 4300000]
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def write_prompts(directory: Path, n: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from drafter_data.parquet_io import PROMPTS
+    from drafter_data.contract import PROMPTS
 
     directory.mkdir(parents=True, exist_ok=True)
     for k in range(0, n, 200_000):
@@ -83,31 +84,38 @@ def stage_args(url: str, inp: Path, out: Path, conc: int) -> list[str]:
 
 def fake_finished(inp: Path, out: Path, url: str, conc: int) -> None:
     """Completion shards for every prompt, keyed exactly as the stage keys them (20k-row shards, as compacted)."""
-    import orjson
+    import pyarrow as pa
 
     from drafter_data.config import compose
-    from drafter_data.completion_store import CompletionStore
-    from drafter_data.parquet_io import shard_paths
-    from stages.generate import identity_of, iter_todo
+    from drafter_data.contract import COMPLETIONS, iter_batches, shard_paths, write_table_atomic
+    from drafter_data.generation.work import ThinkingModes, input_keys
+    from drafter_data.server.request import RequestSpec
 
     cfg = compose(stage_args(url, inp, out, conc)[3:], root=REPO)
-    identity = orjson.dumps(identity_of(cfg), option=orjson.OPT_SORT_KEYS)
-    store = CompletionStore(out)
-    batch = []
-    for row in iter_todo(shard_paths(inp), identity, set()):
-        batch.append({**row, "reasoning": "r", "content": "c", "finish_reason": "stop", "prompt_tokens": 3,
-                      "completion_tokens": 12, "model": "fake-model", "thinking": True, "target": "kimi-k2.6"})
-        if len(batch) == 20000:
-            store.write(batch)
-            batch = []
-    store.write(batch)
+    paths = shard_paths(inp)
+    keys = input_keys(paths, RequestSpec.from_config(cfg), cfg.target.name, ThinkingModes.from_config(cfg.generation))
+    out.mkdir(parents=True, exist_ok=True)
+    offset, shard = 0, 0
+    for batch in iter_batches(paths, batch_size=20000):
+        n = batch.num_rows
+        hex_keys = [keys.keys[i: i + 1].tobytes().hex() for i in range(offset, offset + n)]
+        columns = {f.name: pa.nulls(n, f.type) for f in COMPLETIONS}
+        columns.update({name: batch.column(name) for name in ("prompt_id", "source", "messages")})
+        columns.update({"request_key": pa.array(hex_keys), "turn": pa.array([0] * n, pa.int32()),
+                        "reasoning": pa.array(["r"] * n), "content": pa.array(["c"] * n),
+                        "finish_reason": pa.array(["stop"] * n), "completion_tokens": pa.array([12] * n, pa.int64()),
+                        "prompt_tokens": pa.array([3] * n, pa.int64()), "thinking": pa.array([True] * n),
+                        "target": pa.array(["kimi-k2.6"] * n), "model": pa.array(["fake-model"] * n)})
+        write_table_atomic(pa.table([columns[f.name] for f in COMPLETIONS], schema=COMPLETIONS),
+                           out / f"completions-bench-{shard:05d}.parquet")
+        offset, shard = offset + n, shard + 1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=6000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--resume-rows", type=int, default=1_000_000)
+    parser.add_argument("--resume-rows", type=int, nargs="+", default=[1_000_000, 4_300_000])
     args = parser.parse_args()
     server, url = start_server({"reasoning_words": 6, "content_words": 6})
     try:
@@ -134,13 +142,16 @@ def main() -> None:
             print(f"concurrency {conc}, generate.stream=false: stage {summary['requests_per_s']:.0f} req/s, CPU "
                   f"{plain['cpu_s'] / args.requests * 1000:.1f} s per 1,000 completions (streaming costs a parse per "
                   f"chunk; it gives TTFT and lets a dropped stream be told from a slow one)", flush=True)
-            n = args.resume_rows
-            write_prompts(tmp / "big", n)
-            fake_finished(tmp / "big", tmp / "big-out", url, 64)
-            resume = run_measured(client_cmd(stage_args(url, tmp / "big", tmp / "big-out", 64)), env=env)
-            assert f"{n} already done, 0 to generate" in resume["stderr"], resume["stderr"][-2000:]
-            print(f"resume over {n:,} finished rows: {resume['wall_s']:.1f} s for the whole stage process "
-                  f"(peak RSS {resume['peak_rss_mb']:.0f} MB)")
+            for n in args.resume_rows:
+                write_prompts(tmp / f"big{n}", n)
+                fake_finished(tmp / f"big{n}", tmp / f"big{n}-out", url, 64)
+                resume = run_measured(client_cmd(stage_args(url, tmp / f"big{n}", tmp / f"big{n}-out", 64)), env=env)
+                assert f"{n} already done, 0 to generate" in resume["stderr"], resume["stderr"][-2000:]
+                print(f"resume over {n:,} finished rows: {resume['wall_s']:.1f} s for the whole stage process, peak "
+                      f"RSS {resume['peak_rss_mb']:.0f} MB ({resume['peak_rss_mb'] * 2**20 / n:.0f} bytes per "
+                      f"prompt)", flush=True)
+                shutil.rmtree(tmp / f"big{n}")
+                shutil.rmtree(tmp / f"big{n}-out")
     finally:
         server.kill()
 

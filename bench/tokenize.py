@@ -1,10 +1,12 @@
 """Benchmark of the tokenize stage (Kimi K2.6 tokenizer, 2 worker processes) against raw tiktoken.
 
-Builds completions of ~2,000 tokens from the prompt fixtures' real answers and measures, in one run, raw tiktoken
-`encode_ordinary` on one thread over the same rendered texts (the baseline), then the stage `--runs` times. Per run
-it prints two ratios against the baseline, per core (the stage's tokens/s divided by its workers):
+Builds completions of ~2,000 tokens from the prompt fixtures' real answers and runs the stage `--runs` times; the
+baseline, raw tiktoken `encode_ordinary` on one thread over the same rendered texts, is measured before and after
+each run (their mean is that run's baseline: a shared machine's speed drifts). Per run it prints two ratios against
+the baseline, per core (the stage's tokens/s divided by its workers):
   * past start-up: tokens over the stage's own tokenizing window (first task start to last task end);
-  * whole process: tokens over the wall time of `python -m stages.tokenize` (imports, workers, MLflow included).
+  * whole process: tokens over the wall time of `python -m stages.tokenize` (imports, workers, MLflow included);
+and, less sensitive to other load, tokens per CPU-second of the whole stage (all its processes) against raw's.
 Goal: >= 0.8 per core past start-up. `--ids` gives every row the server's prompt and sampled ids (as vLLM returns
 them): the stage keeps them and retokenizes the answer to measure drift.
 
@@ -87,11 +89,12 @@ def write_completions(rows: list[dict], directory: Path) -> None:
         pq.write_table(pa.Table.from_pylist(rows[k:k + 5000]), directory / f"completions-{k // 5000:05d}.parquet")
 
 
-def raw_tokens_per_s(conv, texts: list[str]) -> float:
+def raw_tokens_per_s(conv, texts: list[str]) -> tuple[float, float]:
+    """Raw tiktoken's tokens per second of wall time and per second of CPU time."""
     enc = conv.tokenizer._enc
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = sum(len(enc.encode_ordinary(t)) for t in texts)
-    return tokens / (time.perf_counter() - t0)
+    return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
 
 
 def run_stage(tmp: Path, run: int, env: dict) -> dict:
@@ -124,16 +127,22 @@ def main() -> None:
         # the tracking database exists in real use; creating one (~3 s of migrations) is not the stage's work
         env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
         run_measured([sys.executable, "-c", "import mlflow; mlflow.set_experiment('drafter-data')"], env=env)
-        raw = raw_tokens_per_s(conv, texts)
-        print(f"{len(texts):,} rows ({sum(map(len, texts)) / 1e6:.1f} MB rendered){', with server ids' if args.ids else ''}"
-              f"; raw tiktoken encode_ordinary, 1 thread: {raw / 1e6:.2f} M tokens/s")
+        sample = texts[:5000]
+        raw_before = raw_tokens_per_s(conv, sample)
+        print(f"{len(texts):,} rows ({sum(map(len, texts)) / 1e6:.1f} MB rendered)"
+              f"{', with server ids' if args.ids else ''}; raw tiktoken encode_ordinary, 1 thread, measured around "
+              f"each run (this machine's speed drifts): {raw_before[0] / 1e6:.2f} M tokens/s now")
         for run in range(args.runs):
             s = run_stage(tmp, run, env)
+            raw_after = raw_tokens_per_s(conv, sample)
+            raw, raw_cpu = ((a + b) / 2 for a, b in zip(raw_before, raw_after))
+            raw_before = raw_after
             past, whole = s["tokens"] / s["window_s"] / WORKERS / raw, s["tokens"] / s["wall_s"] / WORKERS / raw
-            print(f"run {run + 1}: per core past start-up {past:.2f}, whole process {whole:.2f} "
-                  f"({s['tokens']:,} tokens; wall {s['wall_s']:.1f} s, tokenizing {s['window_s']:.1f} s, start-up and "
-                  f"finish {s['wall_s'] - s['window_s']:.1f} s; peak RSS {s['peak_rss_mb']:.0f} MB, CPU "
-                  f"{s['cpu_s']:.1f} s; drift rows compared {s['drift']['rows_compared']})")
+            cpu = s["tokens"] / s["cpu_s"] / raw_cpu
+            print(f"run {run + 1}: per core past start-up {past:.2f}, whole process {whole:.2f}, per CPU-second {cpu:.2f} "
+                  f"({s['tokens']:,} tokens; raw {raw / 1e6:.2f} M/s; wall {s['wall_s']:.1f} s, tokenizing "
+                  f"{s['window_s']:.1f} s, start-up and finish {s['wall_s'] - s['window_s']:.1f} s; peak RSS "
+                  f"{s['peak_rss_mb']:.0f} MB, CPU {s['cpu_s']:.1f} s; drift rows compared {s['drift']['rows_compared']})")
 
 
 if __name__ == "__main__":
