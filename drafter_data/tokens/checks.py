@@ -64,7 +64,9 @@ def result_problems(meta: dict, max_drop_share: float, max_drift_rate: float) ->
     if drift["rate"] > max_drift_rate:
         problems.append(f"{drift['rows_differ']} of {drift['rows_compared']} rows with the server's sampled ids "
                         f"retokenize differently (drift rate {drift['rate']:.4f} > tokenize.max_drift_rate="
-                        f"{max_drift_rate}): the template or tokenizer does not match the server's")
+                        f"{max_drift_rate}): the template or tokenizer does not match the server's, or (over few "
+                        f"rows, {drift['rows_compared']} here) the target sampled more non-canonical splits of its "
+                        f"own text than usual; the rows keep the sampled ids")
     prompt = meta["prompt_ids"]
     if prompt["rate"] > max_drift_rate:
         problems.append(f"{prompt['rows_differ']} of {prompt['rows_compared']} prompts render to other ids than "
