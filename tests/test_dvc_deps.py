@@ -85,3 +85,36 @@ def test_the_library_never_imports_a_stage_and_has_no_cycles():
     for path in files:
         if path not in state:
             visit(path, [path])
+
+
+def config_reads(path: Path) -> set[tuple[str, str | None]]:
+    """(section, key) for each `cfg.section.key`, `cfg.section.get("key")` and `cfg.section` (key None: the section
+    handed on whole) in a file; `cfg` being the name the stages and the library give the whole config."""
+    reads = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cfg":
+            reads.add((node.attr, None))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                isinstance(node.value.value, ast.Name) and node.value.value.id == "cfg" and node.attr != "get":
+            reads.add((node.value.attr, node.attr))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and \
+                isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name) and \
+                node.func.value.value.id == "cfg" and node.args and isinstance(node.args[0], ast.Constant):
+            reads.add((node.func.value.attr, node.args[0].value))
+    return reads
+
+
+def test_every_param_a_stage_reads_is_declared():
+    """A stage declares in dvc.yaml the params it reads, so changing one of them makes DVC re-run it (the MLflow
+    module, which logs the whole config, does not count)."""
+    for name, stage in stages().items():
+        declared = {str(p) for p in stage.get("params", [])}
+        for path in closure(REPO / "stages" / f"{name}.py"):
+            if path.relative_to(REPO).as_posix() in NOT_DEPS:
+                continue
+            for section, key in config_reads(path):
+                whole = section in declared
+                keyed = key is None and any(d.startswith(section + ".") for d in declared)
+                assert whole or keyed or f"{section}.{key}" in declared, \
+                    f"stage {name} reads {section}.{key or '*'} ({path.relative_to(REPO)}), which dvc.yaml does " \
+                    f"not declare in its params"
