@@ -1,6 +1,7 @@
 """Where a stage's configuration comes from: params.yaml (under DVC), or conf/ plus overrides (by hand)."""
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -50,8 +51,15 @@ def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_stage(main) -> None:
-    """Entry point shared by the stages: config in, one-line reason and exit 1 on StageError."""
+    """Entry point shared by the stages: config in, one-line reason and exit 1 on StageError. SIGTERM unwinds like
+    Ctrl-C (outside generate's run loop, which handles it itself), so what a stage started, e.g. its llama-server, is
+    stopped."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         cfg = load()
         code = main(cfg)

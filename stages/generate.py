@@ -59,15 +59,28 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     pool = await connect(cfg, spec, urls, settings, modes)
     if settings.auto:
         follow_each_server(pool, settings, assessed)
-    apply(store, plan)
+    plan = apply(store, plan, KeySet(inputs.keys), spec.token_ids == "on")
     errors = ErrorLog(Path(g.output) / "errors.jsonl", plan.valid)
     total = report_resume(inputs, plan)
     runner = Runner(spec, settings, pool, store, errors, run, assessed)
+    ended_by = None
     try:
         await runner.run_all(iter_todo(prompts, inputs, plan, settings.keep_reasoning), total)
+    except BaseException as exc:
+        ended_by = exc
+        raise
     finally:
         await pool.close()
-        summarize(runner, store, errors, plan, inputs, Path(g.output), run)
+        try:
+            summarize(runner, store, errors, plan, inputs, Path(g.output), run)
+        except Exception as exc:  # the reason the run ended is the message; this one is a warning beside it
+            if ended_by is None:
+                raise
+            print(f"warning: summarizing the run failed too ({type(exc).__name__}: {exc})", file=sys.stderr)
+    if store.lost:  # found unreadable after the plan counted their rows: the output lacks them
+        raise StageError(f"{len(store.lost)} completion shard(s) turned out unreadable during the run and were "
+                         f"moved to {store.quarantine_dir} ({store.lost[0][0]}: {store.lost[0][1]}); their prompts "
+                         f"are missing from {g.output}: re-run generate to make them again")
     if runner.signal is not None:
         return 128 + int(runner.signal or signal.SIGINT)
     return 0
@@ -112,11 +125,20 @@ def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assess
           f"within [{settings.concurrency_min}, {settings.concurrency}]", file=sys.stderr)
 
 
-def apply(store: CompletionStore, plan: ResumePlan) -> None:
-    """Moves what the plan says, saying so: unreadable shards, rows of other params, rows wanted again."""
+def apply(store: CompletionStore, plan: ResumePlan, wanted0: KeySet, require_ids: bool) -> ResumePlan:
+    """Moves what the plan says, saying so: unreadable shards, rows of other params, rows wanted again. A shard
+    found unreadable only now (its key columns read, another column does not) is quarantined too, and the plan is
+    made again without it. Returns the plan in force."""
     store.apply(plan)
-    for path, reason in plan.broken:
-        print(f"moved unreadable shard {path.name} to {store.quarantine_dir} ({reason}); its prompts are "
+    broken = [(path.name, reason) for path, reason in plan.broken]
+    while store.lost:
+        broken += store.lost
+        store.lost = []
+        plan = store.plan(wanted0, require_ids=require_ids)
+        store.apply(plan)
+        broken += [(path.name, reason) for path, reason in plan.broken]
+    for name, reason in broken:
+        print(f"moved unreadable shard {name} to {store.quarantine_dir} ({reason}); its prompts are "
               f"generated again", file=sys.stderr)
     if plan.stale_rows:
         print(f"moved {plan.stale_rows} completions made with other generation params or for prompts no longer in "
@@ -124,6 +146,7 @@ def apply(store: CompletionStore, plan: ResumePlan) -> None:
     if plan.restored_rows:
         print(f"restored {plan.restored_rows} completions from {store.stale_root}: the current config asks for them "
               f"again", file=sys.stderr)
+    return plan
 
 
 def report_resume(inputs: InputKeys, plan: ResumePlan) -> int:
@@ -136,8 +159,13 @@ def report_resume(inputs: InputKeys, plan: ResumePlan) -> int:
 
 def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: ResumePlan, inputs: InputKeys,
               out_dir: Path, run) -> None:
-    """Compacts the shards, settles errors.jsonl, writes run.json, logs the run and prints one line."""
-    store.compact()  # keeps every row: what is done is what was done plus this run's completions
+    """Compacts the shards, settles errors.jsonl, writes run.json, logs the run and prints one line. Runs after
+    any ending, also a failed one: a step that fails here is reported and never hides why the run ended."""
+    try:
+        store.compact()  # keeps every row: what is done is what was done plus this run's completions
+    except OSError as exc:
+        print(f"warning: compacting {out_dir} failed ({exc}); the rows are safe in their small shards",
+              file=sys.stderr)
     n_errors = errors.close()
     rows_total = len(plan.valid) + runner.c.done
     metrics = {**runner.progress.metrics(), "done_total": rows_total, "failed_total": n_errors}
@@ -148,7 +176,10 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
                **({"concurrency_levels": levels} if levels else {}),
                "stale_moved": plan.stale_rows, "restored": plan.restored_rows,
                "quarantined_shards": len(plan.broken), "stopped_reason": runner.fatal}
-    (out_dir / "run.json").write_text(json.dumps(summary, indent=2))
+    try:
+        (out_dir / "run.json").write_text(json.dumps(summary, indent=2))
+    except OSError as exc:
+        print(f"warning: cannot write {out_dir / 'run.json'} ({exc})", file=sys.stderr)
     run.artifact(out_dir / "run.json")
     run.artifact(out_dir / "errors.jsonl")
     run.metrics({k: v for k, v in metrics.items() if v is not None})

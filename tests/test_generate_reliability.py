@@ -242,3 +242,61 @@ def test_token_ids_on_never_reuses_rows_made_without_them(run_stage, fake_server
     assert all(len(r["completion_token_ids"]) == r["completion_tokens"] and r["token_ids_via"] for r in rows)
     proc = run_stage("generate", *args, "generation.token_ids=auto")  # rows with ids serve any mode
     assert "8 already done, 0 to generate" in proc.stderr
+
+
+def test_a_signal_under_auto_concurrency_starts_no_new_request(fake_server, tmp_path, mlflow_uri):
+    """concurrency=auto keeps a worker per possible level, most of them waiting for room: a slot freed during the
+    grace period must not start a new request."""
+    server = fake_server({"token_delay_s": 0.1, "reasoning_words": 6, "content_words": 6})  # ~1.2 s per answer
+    prompts = write_prompts(tmp_path / "in", 300)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
+                    "generation.concurrency_max=64", "generate.grace_period_s=60")
+    proc = start(args, mlflow_uri)
+    wait_until(lambda: server.stats()["inflight"] >= 4, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    sent_at_signal = server.stats()["requests"]
+    assert proc.wait(60) == 128 + signal.SIGINT
+    assert server.stats()["requests"] - sent_at_signal <= 1  # at most one already on its way at the signal
+    rows = read_rows(tmp_path / "out", "completions-")
+    assert rows and served_prompts(server, prompts) == len(rows)
+
+
+def test_a_disk_that_fills_after_shards_were_written_ends_in_one_line(fake_server, tmp_path, mlflow_uri):
+    """The final compaction also meets the full disk: the reason the run stopped stays the message, no traceback."""
+    server = fake_server({"token_delay_s": 0.005})
+    prompts = write_prompts(tmp_path / "in", 150)
+    full = tmp_path / "disk-full"
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out", "generate.shard_rows=5", "generation.concurrency=4")
+    proc = start(args, mlflow_uri, inject=f"disk_full_while={full}")
+    wait_until(lambda: len(list((tmp_path / "out").glob("completions-*.parquet"))) >= 3, proc)
+    full.touch()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "cannot write completions" in last and "No space left on device" in last
+    not_saved = int(last.split("; ")[1].split()[0])
+    assert not_saved + len(read_rows(tmp_path / "out", "completions-")) == served_prompts(server, prompts)
+
+
+def test_a_shard_with_a_broken_column_is_quarantined_and_regenerated(run_stage, fake_server, tmp_path):
+    """Its key columns read (the plan counts its rows), its text does not: found when the shard is read whole (here
+    by the final compaction), set aside, the run exits non-zero saying so, and the next run makes its rows again."""
+    server = fake_server()
+    prompts = write_prompts(tmp_path / "in", 40)
+    write_prompts(tmp_path / "first", 20)
+    run_stage("generate", *gen_args(server.url, tmp_path / "first", tmp_path / "out"))
+    shard = next((tmp_path / "out").glob("completions-*.parquet"))
+    meta = pq.ParquetFile(shard).metadata
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    chunk = meta.row_group(0).column(names.index("reasoning"))
+    data = bytearray(shard.read_bytes())
+    data[chunk.data_page_offset: chunk.data_page_offset + 12] = b"\xff" * 12  # the page header
+    shard.write_bytes(bytes(data))
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out")
+    proc = run_stage("generate", *args, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "unreadable" in last and shard.name in last and "re-run generate" in last
+    assert [p.name for p in (tmp_path / "out.quarantine").rglob("*.parquet")] == [shard.name]
+    assert "20 to generate" in run_stage("generate", *args).stderr
+    check_exactly_once(prompts, tmp_path / "out")

@@ -146,3 +146,21 @@ def test_thinking_ratio_mixes_modes_by_prompt_the_same_way_every_run(run_stage, 
     asked = {json.dumps(b["messages"]): b["chat_template_kwargs"]["thinking"] for b in prompt_requests(server)}
     for pid, thinking in a.items():
         assert asked[json.dumps(by_prompt[pid])] is thinking  # each request's switch matches its row
+
+
+def test_a_resume_never_continues_after_a_tool_call_ended_with_stop(run_stage, fake_server, tmp_path):
+    """Some servers end a tool call with finish_reason "stop": the live run ends the conversation there, and so must
+    a resume (the plan reads tool_calls too)."""
+    server = fake_server({"tool_calls": True})
+    write_conversations(tmp_path / "in", 2, turns=3, tools=TOOLS)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out")
+    run_stage("generate", *args)
+    rows = read_rows(tmp_path / "out", "completions-")
+    assert len(rows) == 2 and all(r["tool_calls"] for r in rows)
+    sent = len(prompt_requests(server))
+    for path in (tmp_path / "out").glob("completions-*.parquet"):  # as stored for such a server
+        table = pq.read_table(path)
+        i = table.schema.get_field_index("finish_reason")
+        pq.write_table(table.set_column(i, "finish_reason", pa.array(["stop"] * table.num_rows, pa.string())), path)
+    proc = run_stage("generate", *args)
+    assert len(prompt_requests(server)) == sent and "2 already done, 0 to generate" in proc.stderr

@@ -87,3 +87,33 @@ def test_server_local_starts_and_stops_llama_server_itself(run_stage, tmp_path):
     port = url.rsplit(":", 1)[1].split("/")[0]
     left = subprocess.run(["pgrep", "-f", f"llama-server.*--port {port}"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "llama-server was left running"
+
+
+def test_sigterm_before_the_run_loop_still_stops_our_llama_server(tmp_path, mlflow_uri):
+    """SIGTERM while the stage starts its server or runs preflight (before generate's own signal handling) unwinds
+    like Ctrl-C: the llama-server the stage started is stopped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from drafter_data.server.local import free_port, healthy
+
+    write_prompts(tmp_path / "in", 3)
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    proc = subprocess.Popen([sys.executable, "-m", "stages.generate", "server=local", f"server.base_url={url}",
+                             "server.local.slots=2", "server.local.context=4096", f"generate.input={tmp_path / 'in'}",
+                             f"generate.output={tmp_path / 'c'}"], cwd=REPO,
+                            env={**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not healthy(url, timeout=0.5):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # the stage only: its server runs in a session of its own
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 15
+    while healthy(url, timeout=0.5):
+        assert time.monotonic() < deadline, "the stage's llama-server was left running"
+        time.sleep(0.2)

@@ -119,6 +119,9 @@ class Runner:
         tools = conv.tools()
         while not self.stopping.is_set():
             server = await self.pool.acquire()
+            if self.stopping.is_set():  # stopped while waiting for room: the freed slot starts nothing new
+                self.pool.release(server)
+                break
             spec = server.spec or self.spec
             try:
                 done = await complete(server.client, spec, sent, tools, thinking=conv.thinking,
@@ -311,7 +314,8 @@ class Runner:
         """Every conversation of `todo` (an iterator of `total`). Raises StageError when a task failed or a fault
         ended the run; pending rows are flushed in every case."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in before:
             loop.add_signal_handler(sig, self.on_signal, sig)
         n = self.settings.workers(len(self.pool.states))
         queue: asyncio.Queue = asyncio.Queue(maxsize=n * 2)
@@ -332,8 +336,9 @@ class Runner:
                 await self.flush()
             finally:
                 self.progress.close()
-                for sig in (signal.SIGINT, signal.SIGTERM):
+                for sig, handler in before.items():  # back to what the stage had (not the default: cleanup)
                     loop.remove_signal_handler(sig)
+                    signal.signal(sig, handler)
         if self.fatal:
             raise StageError(self.fatal)
 

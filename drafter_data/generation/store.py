@@ -25,7 +25,7 @@ from drafter_data.contract import COMPLETIONS, shard_paths, write_table_atomic
 from drafter_data.generation.keys import KEY_DTYPE, KeySet, hex_column
 
 SHARD_PREFIX = "completions-"
-PLAN_COLUMNS = ["request_key", "parent_key", "turn", "turns", "finish_reason", "token_ids_via"]
+PLAN_COLUMNS = ["request_key", "parent_key", "turn", "turns", "finish_reason", "tool_calls", "token_ids_via"]
 
 
 @dataclass
@@ -62,6 +62,7 @@ class CompletionStore:
         # unique per store: a new shard never takes the name of an existing one (which a plan may be moving)
         self.run_tag = time.strftime("%Y%m%dT%H%M%S") + f"-{uuid.uuid4().hex[:8]}"
         self.compact_rows = compact_rows
+        self.lost: list[tuple[str, str]] = []  # (shard, reason): found unreadable after the plan counted its rows
         self._seq = 0
         self._seq_lock = threading.Lock()  # flushes and compaction run in threads
 
@@ -103,26 +104,45 @@ class CompletionStore:
 
     def apply(self, plan: ResumePlan) -> None:
         """Carries out a plan: quarantine, rewrite/move aside, restore. Each step writes before it removes, so a
-        kill at any point leaves at worst duplicates, which the next plan drops."""
+        kill at any point leaves at worst duplicates, which the next plan drops. A shard whose key columns read but
+        whose other columns do not is quarantined too and listed in `lost` (the plan counted its rows: plan again)."""
         for path, _ in plan.broken:
-            self.quarantine_dir.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(path), self.quarantine_dir / path.name)
+            self._quarantine(path)
         for path, (keep, has_stale) in plan.keep.items():
+            table = self._read_whole(path)
+            if table is None:
+                continue
             if keep.any():
-                write_table_atomic(_conform(pq.read_table(path).filter(pa.array(keep))), self._next_path())
+                write_table_atomic(table.filter(pa.array(keep)), self._next_path())
             if has_stale:
                 self.stale_dir.mkdir(parents=True, exist_ok=True)
                 shutil.move(str(path), self.stale_dir / path.name)
             else:  # only duplicates of rows kept elsewhere
                 path.unlink()
         for path, back in plan.restore.items():
-            table = pq.read_table(path)
+            try:
+                table = pq.read_table(path)
+            except Exception:  # noqa: BLE001 - a broken .stale shard: nothing to restore from it
+                continue
             write_table_atomic(_conform(table.filter(pa.array(back))), self._next_path("r"))
             rest = table.filter(pa.array(~back))
             if rest.num_rows:
                 write_table_atomic(rest, path)
             else:
                 path.unlink()
+
+    def _quarantine(self, path: Path) -> None:
+        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(path), self.quarantine_dir / path.name)
+
+    def _read_whole(self, path: Path) -> pa.Table | None:
+        """A shard, every column; None when it cannot be read whole (then quarantined and listed in `lost`)."""
+        try:
+            return _conform(pq.read_table(path))
+        except Exception as exc:  # noqa: BLE001 - any unreadable shard: quarantined, never a crash
+            self._quarantine(path)
+            self.lost.append((path.name, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+            return None
 
     def write(self, rows: list[dict]) -> Path | None:
         if not rows:
@@ -133,16 +153,28 @@ class CompletionStore:
 
     def compact(self) -> None:
         """Merges small shards into shards of about compact_rows: few files for DVC to hash and a fast resume. New
-        shards are written before the old ones are removed; a kill in between leaves duplicates that plan drops."""
-        small = [p for p in self.shards() if pq.ParquetFile(p).metadata.num_rows < self.compact_rows]
+        shards are written before the old ones are removed; a kill in between leaves duplicates that plan drops. A
+        shard that cannot be read whole is quarantined and listed in `lost`."""
+        small = []
+        for path in self.shards():
+            try:
+                rows = pq.ParquetFile(path).metadata.num_rows
+            except Exception as exc:  # noqa: BLE001 - its footer broke since the plan read it
+                self._quarantine(path)
+                self.lost.append((path.name, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+                continue
+            if rows < self.compact_rows:
+                small.append(path)
         if len(small) < 2:
             return
         batch, rows, merged_from = [], 0, []
-        for path in small:
-            batch.append(_conform(pq.read_table(path)))
-            merged_from.append(path)
-            rows += batch[-1].num_rows
-            if rows >= self.compact_rows or path == small[-1]:
+        for i, path in enumerate(small):
+            table = self._read_whole(path)
+            if table is not None:
+                batch.append(table)
+                merged_from.append(path)
+                rows += table.num_rows
+            if batch and (rows >= self.compact_rows or i == len(small) - 1):
                 if len(merged_from) > 1:
                     write_table_atomic(pa.concat_tables(batch), self._next_path("c"))
                     for p in merged_from:
@@ -171,7 +203,11 @@ def _read_keys(path: Path, from_stale: bool) -> ShardKeys:
 
     parents = hex_column(table.column("parent_key").to_pylist()) if "parent_key" in names else \
         np.zeros(n, KEY_DTYPE)
+    # a conversation goes on only after an answer that stopped by itself without a tool call (as Runner.converse:
+    # some servers end a tool call with finish_reason "stop")
     stopped = np.asarray([f == "stop" for f in table.column("finish_reason").to_pylist()], dtype=bool)
+    if "tool_calls" in names:
+        stopped &= ~table.column("tool_calls").is_valid().to_numpy(zero_copy_only=False)
     has_ids = table.column("token_ids_via").is_valid().to_numpy(zero_copy_only=False) if "token_ids_via" in names \
         else np.zeros(n, dtype=bool)
     return ShardKeys(path, from_stale, hex_column(table.column("request_key").to_pylist()), parents,

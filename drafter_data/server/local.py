@@ -146,13 +146,17 @@ def start(local, model_alias: str, port: int, log_path: Path | None = None) -> t
                             start_new_session=True)
     base_url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + float(local.get("startup_timeout_s", 60))
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise StageError(f"llama-server exited with code {proc.returncode} at start-up: {' '.join(cmd)}"
-                             + (f" (log: {log_path})" if log_path else ""))
-        if healthy(base_url, timeout=1.0):
-            return proc, base_url
-        time.sleep(0.2)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise StageError(f"llama-server exited with code {proc.returncode} at start-up: {' '.join(cmd)}"
+                                 + (f" (log: {log_path})" if log_path else ""))
+            if healthy(base_url, timeout=1.0):
+                return proc, base_url
+            time.sleep(0.2)
+    except BaseException:  # Ctrl-C or SIGTERM while it starts: it must not outlive us
+        stop(proc)
+        raise
     stop(proc)
     raise StageError(f"llama-server did not become healthy within {local.get('startup_timeout_s', 60)} s on port "
                      f"{port}")

@@ -30,6 +30,7 @@ class RequestSpec:
     template_kwargs: dict = field(default_factory=dict)
     token_ids: str = "auto"  # generation.token_ids: auto | on | off (what preflight looks for)
     token_ids_via: str | None = None  # how this server is asked for them (token_ids.METHODS), set from preflight
+    logit_bias: tuple = ()  # generation.logit_bias as sorted (token id, bias) pairs; () sends none
 
     @classmethod
     def from_config(cls, cfg, template_kwargs=None, max_tokens: int | None = None) -> RequestSpec:
@@ -40,7 +41,8 @@ class RequestSpec:
                    temperature=float(gen.temperature), top_p=float(gen.get("top_p", 1.0)),
                    seed=None if gen.get("seed") is None else int(gen.seed), thinking=bool(gen.thinking),
                    thinking_kwarg=str(target.thinking_kwarg),
-                   template_kwargs=_plain(kwargs), token_ids=token_id_mode(gen.get("token_ids", "auto")))
+                   template_kwargs=_plain(kwargs), token_ids=token_id_mode(gen.get("token_ids", "auto")),
+                   logit_bias=logit_bias_pairs(gen.get("logit_bias")))
 
     def chat_template_kwargs(self, thinking: bool | None = None) -> dict:
         """The template kwargs of a request: the thinking switch (this spec's mode unless given) and the rest."""
@@ -54,6 +56,8 @@ class RequestSpec:
                 "extra_body": {"chat_template_kwargs": self.chat_template_kwargs(thinking)}}
         if self.seed is not None:
             body["seed"] = self.seed
+        if self.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         if tools:
             body["tools"] = tools
         method = id_method(self.token_ids_via)
@@ -70,6 +74,8 @@ class RequestSpec:
                  "extra_body": {"chat_template_kwargs": self.chat_template_kwargs(thinking)}}
         if self.seed is not None:
             ident["seed"] = self.seed
+        if self.logit_bias:
+            ident["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         return orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)
 
     def with_max_tokens(self, max_tokens: int) -> RequestSpec:
@@ -96,6 +102,21 @@ def token_id_mode(value) -> str:
     if mode not in TOKEN_ID_MODES:
         raise StageError(f"generation.token_ids must be auto, on or off, not {value!r}")
     return mode
+
+
+def logit_bias_pairs(value) -> tuple:
+    """generation.logit_bias ({token id: bias}, bias in -100..100 as OpenAI's API takes it; null: none) as sorted
+    pairs."""
+    if not value:
+        return ()
+    items = _plain(value).items()
+    try:
+        pairs = tuple(sorted((int(token), float(bias)) for token, bias in items))
+    except (TypeError, ValueError):
+        raise StageError(f"generation.logit_bias must map token ids to numbers, e.g. {{106: 5}}, not {value}") from None
+    if any(not -100 <= bias <= 100 for _, bias in pairs):
+        raise StageError("generation.logit_bias: every bias must be between -100 and 100")
+    return pairs
 
 
 def _plain(kwargs) -> dict:
