@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 
 from omegaconf import OmegaConf
 
-from drafter_data.tracking import EXPERIMENT, STAGES, redact, tracking_uri
+from drafter_data.redaction import redact_url
+from drafter_data.tracking import EXPERIMENT, STAGES, tracking_uri
 
 SEARCH_LIMIT = 2000
 
@@ -49,7 +50,8 @@ def _real_vs_projected(runs: dict):
 
 
 def _length_cut_share(runs: dict):
-    share = _ratio(_metric(runs, "generate", "stopped_at_length"), _metric(runs, "generate", "completions"))
+    """Answers cut by max_tokens over answers: generate's own figure, else tokenize's rows."""
+    share = _metric(runs, "generate", "length_cut_share")
     if share is None:
         share = _ratio(_metric(runs, "tokenize", "rows.finish_length"), _metric(runs, "tokenize", "rows.read"))
     return share
@@ -128,7 +130,7 @@ def stage_runs(runs: list, stage: str) -> str:
 def runs_table_url(uri: str, experiment_id: str) -> str:
     """The UI page of the runs table. MLflow 3.17 opens an experiment by the browser's workflow-type switch (default:
     GenAI), not by the experiment's kind tag; workflowType=machine_learning in the URL opens the runs table."""
-    base = redact(uri).rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    base = redact_url(uri).rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
     return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
 
@@ -145,7 +147,7 @@ def main(argv=None) -> None:
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(args.experiment)
     if exp is None:
-        print(f"no experiment {args.experiment!r} at {redact(uri)}")
+        print(f"no experiment {args.experiment!r} at {redact_url(uri)}")
         return
     filters = [f"tags.stage = '{args.stage}'"] if args.stage else []
     if args.pipeline_run:
@@ -157,7 +159,7 @@ def main(argv=None) -> None:
         return
     newest = list(group_by_pipeline_run(runs).items())[:len(args.pipeline_run) or args.last]
     groups = dict(reversed(newest))  # oldest on the left: read left to right in the order they ran
-    print(side_by_side(groups) if groups else f"no runs in experiment {args.experiment!r} at {redact(uri)}")
+    print(side_by_side(groups) if groups else f"no runs in experiment {args.experiment!r} at {redact_url(uri)}")
     ui = "" if uri.startswith(("http://", "https://")) else " (with `mlflow ui` on port 5000)"
     print(f"\nruns table in the MLflow UI{ui}: {runs_table_url(uri, exp.experiment_id)}")
 

@@ -29,6 +29,7 @@ import yaml
 from omegaconf import DictConfig
 
 from drafter_data.config import flatten
+from drafter_data.redaction import redact_url
 
 EXPERIMENT = "drafter-data"
 STAGES = ("prepare", "assess", "generate", "tokenize")  # the stages that log a run, in pipeline order
@@ -40,9 +41,6 @@ WAIT_S = 120.0
 MAX_PENDING_METRICS = 100_000
 
 _SECRET_KEY = re.compile(r"(api_key|token|secret|password)$", re.I)
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s'\"]+@", re.I)
-_SECRET_QUERY = re.compile(r"(?P<name>[?&](?:[a-z_]*key|[a-z_]*token|secret|password|sig|signature)=)[^&\s'\"]+",
-                           re.I)
 _EXPS_TMP = os.sep + os.path.join(".dvc", "tmp", "exps") + os.sep
 _DVC_COMMANDS = {"repro", "exp"}  # `dvc repro`, `dvc exp run`, and the queue's `dvc exp exec-run` worker
 
@@ -64,18 +62,12 @@ def tracking_uri(cfg: DictConfig) -> str:
     return f"sqlite:///{repo_root() / 'mlflow.db'}"
 
 
-def redact(text: str) -> str:
-    """A URL (or text holding URLs) without user:password and without secret-looking query values."""
-    text = _URL_USERINFO.sub(r"\g<scheme>", text)
-    return _SECRET_QUERY.sub(r"\g<name>***", text)
-
-
 def public_params(cfg: DictConfig) -> dict[str, str]:
     params = {}
     for key, value in flatten(cfg).items():
         if _SECRET_KEY.search(key.split(".")[-1]) and not key.endswith("_env"):
             continue
-        text = redact(str(value))
+        text = redact_url(value)
         params[key] = text if len(text) <= 6000 else text[:5990] + "..."
     return params
 
@@ -132,7 +124,7 @@ def pipeline_run_id() -> str:
 
 
 def stage_start_ms() -> int:
-    """When this stage's process started: the run's start, though prepare and tokenize open it at their end."""
+    """When this stage's process started: the run's start (a run opens when its stage has checked its config)."""
     import psutil
 
     try:
@@ -175,16 +167,11 @@ def run_tags(stage: str, cfg: DictConfig) -> dict[str, str]:
     if commit:
         tags["git_commit"] = commit
         tags["mlflow.source.git.commit"] = commit
-    return {k: redact(str(v)) for k, v in tags.items()}
+    return {k: redact_url(v) for k, v in tags.items()}
 
 
 def experiment_name(cfg: DictConfig) -> str:
     return str((cfg.get("mlflow") or {}).get("experiment") or EXPERIMENT)
-
-
-def preload() -> None:
-    """Imports mlflow (1.5-2 s) in the background while a stage does its work, so the run is logged at once."""
-    threading.Thread(target=lambda: __import__("mlflow"), daemon=True).start()
 
 
 def _experiment_id(client, name: str, uri: str) -> str:
@@ -296,7 +283,7 @@ class StageRun:
             return
         self._reported = True
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        print(f"warning: MLflow ({what}): {type(exc).__name__}: {redact(reason)}; {self.stage} goes on without it "
+        print(f"warning: MLflow ({what}): {type(exc).__name__}: {redact_url(reason)}; {self.stage} goes on without it "
               f"(its data are not affected; further MLflow errors of this run are not shown)", file=sys.stderr)
 
     def _open(self, uri: str, experiment: str, name: str, tags: dict, params: dict, start_ms: int) -> None:

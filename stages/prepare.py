@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import threading
 from pathlib import Path
 
 import orjson
@@ -24,7 +23,7 @@ from drafter_data.prompts.normalize import normalize_sources
 from drafter_data.outputs import fresh_output_dir
 from drafter_data.prompts.prompt import MODES
 from drafter_data.prompts.selection import choose, write_chosen
-from drafter_data.tracking import stage_run, tracking_uri
+from drafter_data.tracking import stage_run
 
 OUTPUT_MARKERS = ("stats.json", "rejects.jsonl", "prompts-*.parquet", ".pass1")
 
@@ -36,13 +35,12 @@ def main(cfg) -> int:
         raise StageError(f"prepare.turns must be one of {', '.join(MODES)}, got {pcfg.get('turns')!r}")
     inputs = {f"the prompt file of source {s['name']!r}": s["path"] for s in sources}
     out_dir = fresh_output_dir(Path(pcfg.output), "prepare.output", inputs, OUTPUT_MARKERS)
-    tracking = warm_tracking(cfg)
-    try:
+    # the MLflow run opens now, on a thread of its own (imports and store: ~2.5 s of CPU while the prompts are
+    # read), so an interrupted or failed prepare shows as KILLED or FAILED; closing it waits for that thread
+    with stage_run("prepare", cfg) as run:
         stats = select_prompts(sources, cfg, out_dir)
-    finally:
-        tracking.join()  # also on an error: never exit while MLflow may be creating its database
-    print_summary(stats, out_dir)
-    log_run(cfg, stats, out_dir)
+        print_summary(stats, out_dir)
+        log_run(run, stats, out_dir)
     return 0
 
 
@@ -62,23 +60,6 @@ def select_prompts(sources: list[dict], cfg, out_dir: Path) -> dict:
     stats = acc.stats()
     (out_dir / "stats.json").write_bytes(orjson.dumps(stats, option=orjson.OPT_INDENT_2))
     return stats
-
-
-def warm_tracking(cfg) -> threading.Thread:
-    """Imports MLflow and opens its tracking store (~2.5 s of CPU, cached per URI) while the prompts are read, so
-    the run is logged at once at the end. Errors are left to the logging itself, which reports them."""
-
-    def warm():
-        try:
-            from mlflow.tracking import MlflowClient
-
-            MlflowClient(tracking_uri(cfg)).search_experiments(max_results=1)
-        except Exception:  # noqa: BLE001
-            pass
-
-    thread = threading.Thread(target=warm, name="warm-mlflow", daemon=True)
-    thread.start()
-    return thread
 
 
 def check_sources(sources) -> list[dict]:
@@ -117,15 +98,14 @@ def print_summary(stats: dict, out_dir: Path) -> None:
               f"their rejects.jsonl entries)", file=sys.stderr)
 
 
-def log_run(cfg, stats: dict, out_dir: Path) -> None:
+def log_run(run, stats: dict, out_dir: Path) -> None:
     metrics = {"kept": sum(s["kept"] for s in stats.values()), "read": sum(s["read"] for s in stats.values())}
     for name, s in stats.items():
         metrics[f"{name}.read"] = s["read"]
         metrics[f"{name}.kept"] = s["kept"]
         metrics.update({f"{name}.dropped.{r}": n for r, n in s["dropped"].items()})
-    with stage_run("prepare", cfg) as run:
-        run.metrics(metrics)
-        run.artifact(out_dir / "stats.json")
+    run.metrics(metrics)
+    run.artifact(out_dir / "stats.json")
 
 
 if __name__ == "__main__":

@@ -240,12 +240,13 @@ def test_compare_runs_puts_two_pipeline_runs_side_by_side(mlflow_uri):
     exp_id = client.create_experiment(name)
     log_pipeline_run(client, exp_id, "pr-on", "on", 1_000_000, {
         "assess": {"best.output_tokens_per_s": 1000.0, "projection.days": 20.0},
-        "generate": {"output_tokens_per_s": 800.0, "throughput_vs_assessed": 0.8, "stopped_at_length": 5,
+        "generate": {"output_tokens_per_s": 800.0, "throughput_vs_assessed": 0.8, "length_cut_share": 0.05,
+                     "stopped_at_length": 0,
                      "completions": 100, "done_total": 100, "failed_total": 0},
         "tokenize": {"tokens": 123456, "drift.rate": 0.0125}})
     log_pipeline_run(client, exp_id, "pr-off", "off", 2_000_000, {
         "assess": {"best.output_tokens_per_s": 2000.0, "projection.days": 5.0},
-        "generate": {"output_tokens_per_s": 3000.0, "assessed_output_tokens_per_s": 2000.0, "stopped_at_length": 0,
+        "generate": {"output_tokens_per_s": 3000.0, "assessed_output_tokens_per_s": 2000.0, "length_cut_share": 0.0,
                      "completions": 50, "done_total": 50, "failed_total": 1}})
     out = subprocess.run([sys.executable, "-m", "drafter_data.compare_runs", "--experiment", name, "--last", "2"],
                          cwd=REPO, env={**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri}, capture_output=True,
@@ -256,7 +257,7 @@ def test_compare_runs_puts_two_pipeline_runs_side_by_side(mlflow_uri):
     assert rows["thinking"] == ["on", "off"]
     assert rows["output tok/s"] == ["800.0", "3,000.0"] and rows["projected days"] == ["20.00", "5.00"]
     assert rows["real/projected tok/s"] == ["0.80", "1.50"]  # logged by generate, else computed from both rates
-    assert rows["length-cut share"] == ["5.0%", "0.0%"]
+    assert rows["length-cut share"] == ["5.0%", "0.0%"]  # answers cut, not conversations stopped before their end
     assert rows["tokens made"][-1] == "123,456" and rows["drift rate"][-1] == "0.0125"
     assert "gpu-1:30000 gpu-2:30000" in out.stdout
     assert f"#/experiments/{exp_id}/runs?workflowType=machine_learning" in out.stdout

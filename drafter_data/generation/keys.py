@@ -35,10 +35,6 @@ def thinking_share(prompt_id: str, seed: int) -> float:
     return int.from_bytes(digest, "big") / 2.0**64
 
 
-def to_hex(key: bytes) -> str:
-    return key.hex()
-
-
 def hex_column(values) -> np.ndarray:
     """A column of 32-character hex keys (None where absent) as an S16 array (absent: 16 zero bytes)."""
     values = list(values)

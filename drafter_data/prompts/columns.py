@@ -5,14 +5,9 @@ of CPU in every pass-1 worker, and converts element by element; building the buf
 """
 from __future__ import annotations
 
-from array import array
 
 import numpy as np
 import pyarrow as pa
-
-
-def int32_array(values: list[int]) -> pa.Array:
-    return pa.Array.from_buffers(pa.int32(), len(values), [None, pa.py_buffer(array("i", values))])
 
 
 def string_array(values: list) -> pa.Array:

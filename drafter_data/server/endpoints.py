@@ -6,8 +6,8 @@ import os
 import re
 
 from drafter_data.errors import StageError
+from drafter_data.redaction import redact_url  # noqa: F401 - where the server modules take it from
 
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s'\"]+@", re.I)
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -23,11 +23,6 @@ def base_urls(server_cfg) -> list[str]:
 def api_root(base_url: str) -> str:
     """The server's root (where llama-server's /health, /props, /tokenize live) from its OpenAI base URL."""
     return base_url.rstrip("/").removesuffix("/v1")
-
-
-def redact_url(text: str) -> str:
-    """A URL (or any text holding URLs) without its user:password, for messages and logs."""
-    return _URL_USERINFO.sub(r"\g<scheme>", str(text))
 
 
 class ApiKey(str):

@@ -8,7 +8,6 @@ from openai import AsyncOpenAI
 
 from drafter_data.server.endpoints import api_root
 
-ENGINES = ("llama-server", "vllm", "sglang", "unknown")
 PROBE_TIMEOUT_S = 5.0
 
 
