@@ -117,3 +117,62 @@ def test_sigterm_before_the_run_loop_still_stops_our_llama_server(tmp_path, mlfl
     while healthy(url, timeout=0.5):
         assert time.monotonic() < deadline, "the stage's llama-server was left running"
         time.sleep(0.2)
+
+
+def test_whole_conversations_are_regenerated_turn_by_turn_on_llama_server(run_stage, llama_server, tmp_path):
+    """prepare.turns=all on the sample prompts, then its multi-turn conversations through the real server: every turn
+    is regenerated on the target's own earlier answers, and tokenize trains each turn on exactly what it was sent.
+    The embedded model is a base model that never stops by itself: a bias on its end-of-turn token (106) makes its
+    answers end, so that later turns happen at all."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run_stage("prepare", "prepare.turns=all", f"prepare.output={tmp_path / 'p'}")
+    prompts = pq.read_table(next((tmp_path / "p").glob("prompts-*.parquet")))
+    assert prompts.num_rows == 54 and sum(prompts.column("turns").to_pylist()) == 66
+    multi = prompts.filter(pa.compute.greater(prompts.column("turns"), 1))
+    (tmp_path / "multi").mkdir()
+    pq.write_table(multi, tmp_path / "multi" / "prompts-00000.parquet")
+    run_stage("generate", *real_args(llama_server, f"generate.input={tmp_path / 'multi'}",
+                                     f"generate.output={tmp_path / 'c'}", "generation.max_tokens=96",
+                                     "generation.logit_bias={106:16}", "generation.concurrency=8"))
+    rows = read_rows(tmp_path / "c", "completions-")
+    by_turn = {(r["prompt_id"], r["turn"]): r for r in rows}
+    assert len(by_turn) == len(rows)  # each (prompt_id, turn) once
+    summary = json.loads((tmp_path / "c" / "run.json").read_text())
+    later = [r for r in rows if r["turn"] > 0]
+    assert later, f"no conversation got past its first turn: {summary}"
+    for r in later:
+        before = by_turn[(r["prompt_id"], r["turn"] - 1)]
+        assert before["finish_reason"] == "stop"  # a cut turn ends its conversation
+        answers = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        assert len(answers) == r["turn"] and answers[-1] == before["content"]  # the target's own answer, verbatim
+        assert r["messages"][:len(before["messages"])] == before["messages"]
+    for conv in {r["prompt_id"] for r in rows}:
+        turns = sorted(t for p, t in by_turn if p == conv)
+        last = by_turn[(conv, turns[-1])]
+        assert turns == list(range(len(turns)))
+        assert len(turns) == last["turns"] or last["finish_reason"] == "length"
+    # 20 turns asked for; what was not made was stopped by a length cut, counted
+    assert summary["completions"] + sum(by_turn[(c, max(t for p, t in by_turn if p == c))]["turns"] - 1 -
+                                        max(t for p, t in by_turn if p == c) for c in {p for p, _ in by_turn}) == 20
+    run_stage("tokenize", *real_args(llama_server, f"tokenize.input={tmp_path / 'c'}",
+                                     f"tokenize.output={tmp_path / 't'}", "tokenize.max_drift_rate=1"))
+    tokens = {(t["prompt_id"], t["turn"]): t for t in read_rows(tmp_path / "t")}
+    meta = json.loads((tmp_path / "t" / "meta.json").read_text())
+    # an answer that is nothing but the end-of-turn token renders without the <think> the prompt ended with: the
+    # template's output is then not an extension of the prompt, and the row is dropped, counted
+    empty = {key for key, r in by_turn.items() if not r["reasoning"] and not r["content"]}
+    assert set(tokens) == set(by_turn) - empty and meta["rows"].get("dropped.prefix_mismatch", 0) == len(empty)
+    for key, r in by_turn.items():
+        if key in empty:
+            continue
+        t = tokens[key]
+        start = t["loss_mask"].index(1)
+        sampled = r["completion_token_ids"]
+        assert t["input_ids"][:start] == r["prompt_token_ids"] and set(t["loss_mask"][start:]) == {1}
+        assert t["input_ids"][start:start + len(sampled)] == sampled
+        # after a stop, only what the template closes the turn with and the engine did not return ("\n" after
+        # <end_of_turn>); after a cut, nothing
+        rest = t["input_ids"][start + len(sampled):]
+        assert rest == ([107] if r["finish_reason"] == "stop" and sampled[-1] == 106 else []), (r, rest)
