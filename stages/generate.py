@@ -58,7 +58,7 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
                                                      "urls": [redact_url(u) for u in urls]})
     pool = await connect(cfg, spec, urls, settings, modes)
     if settings.auto:
-        follow_each_server(pool, settings, assessed)
+        follow_each_server(pool, settings, assessed, str(cfg.server.get("kind")) == "local")
     plan = apply(store, plan, KeySet(inputs.keys), spec.token_ids == "on")
     errors = ErrorLog(Path(g.output) / "errors.jsonl", plan.valid)
     total = report_resume(inputs, plan)
@@ -113,16 +113,16 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
     return ServerPool(states, float(cfg.generate.server_down_timeout_s))
 
 
-def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assessment) -> None:
-    """concurrency=auto: a level controller per server, starting at the assessed best level when there is one."""
+def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assessment, local: bool) -> None:
+    """concurrency=auto: a level controller per server; the server assess measured starts at its best level, any
+    other climbs from the bottom."""
     for server in pool.states:
-        server.controller = LevelController.starting_at(assessed.concurrency, settings.concurrency_min,
-                                                        settings.concurrency)
+        start = assessed.concurrency if assessed.measured(redact_url(server.url), local) else None
+        server.controller = LevelController.starting_at(start, settings.concurrency_min, settings.concurrency)
         pool.set_limit(server, server.controller.level)
-    start = pool.states[0].limit
-    print(f"concurrency: auto, starting at {start} per server "
-          f"({'the assessed best level' if assessed.concurrency else 'no assessment: climbing from there'}), "
-          f"within [{settings.concurrency_min}, {settings.concurrency}]", file=sys.stderr)
+        how = "the assessed best level" if start else "not assessed: climbing from there"
+        print(f"concurrency: auto, {redact_url(server.url)} starts at {server.controller.level} ({how}), within "
+              f"[{settings.concurrency_min}, {settings.concurrency}]", file=sys.stderr)
 
 
 def apply(store: CompletionStore, plan: ResumePlan, wanted0: KeySet, require_ids: bool) -> ResumePlan:

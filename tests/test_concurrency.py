@@ -73,6 +73,26 @@ def test_follows_a_knee_that_moves_mid_run():
     assert mean_rate(server, levels[300:]) >= 0.9 * best
 
 
+def first_within(server: KneeServer, levels: list[int], share: float = 0.9) -> int:
+    best = max(server.tokens_per_s(level) for level in range(1, 257))
+    return next(i for i, level in enumerate(levels) if server.tokens_per_s(level) >= share * best)
+
+
+def test_a_knee_that_moves_down_or_a_start_far_above_it_is_left_quickly():
+    """The best level re-measured much slower means the server changed (its KV cache filled): the search strides out
+    again, downwards first; and from an assessed level it probes downwards first (levels past the knee are the slow
+    ones to measure)."""
+    for before, after, within_s in ((24, 8, 60), (40, 12, 90)):
+        server, clock = KneeServer(knee=before), [0.0]
+        controller = make(before, clock)
+        simulate(controller, server, 300, clock)
+        server.knee = after
+        assert first_within(server, simulate(controller, server, 300, clock)) <= within_s, (before, after)
+    for start, knee, within_s in ((64, 8, 120), (128, 12, 130)):
+        server, clock = KneeServer(knee=knee), [0.0]
+        assert first_within(server, simulate(make(start, clock), server, 600, clock)) <= within_s, (start, knee)
+
+
 def test_a_flat_curve_settles_at_the_smallest_level_that_reaches_it():
     """Past the engine's slots requests only queue: more in flight buys no throughput, only TTFT."""
     server, clock = KneeServer(knee=1000, slots=16), [0.0]
@@ -92,7 +112,30 @@ def test_the_stage_runs_with_auto_and_logs_its_levels(run_stage, fake_server, tm
     prompts = write_prompts(tmp_path / "in", 200)
     proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
                                            "generation.concurrency_max=32", "generate.assessment=null"))
-    assert "concurrency: auto, starting at 4 per server" in proc.stderr
+    assert f"concurrency: auto, {server.url} starts at 4 (not assessed" in proc.stderr
     check_exactly_once(prompts, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "run.json").read_text())["completions"] == 200
     assert len(read_rows(tmp_path / "out", "completions-")) == 200
+
+
+def test_only_the_assessed_server_starts_at_the_assessed_level(run_stage, fake_server, tmp_path):
+    assessed, other = fake_server({"token_delay_s": 0.002}), fake_server({"token_delay_s": 0.002})
+    write_prompts(tmp_path / "in", 60)
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"best": {"concurrency": 12, "output_tokens_per_s": 500.0},
+                                   "server": {"model": "fake-model", "url": assessed.url, "kind": "remote"}}))
+    proc = run_stage("generate", *gen_args(assessed.url, tmp_path / "in", tmp_path / "out",
+                                           f"server.base_url=[{assessed.url},{other.url}]",
+                                           "generation.concurrency=auto", "generation.concurrency_max=32",
+                                           f"generate.assessment={metrics}"))
+    assert f"{assessed.url} starts at 12 (the assessed best level)" in proc.stderr
+    assert f"{other.url} starts at 4 (not assessed" in proc.stderr
+
+
+def test_a_minimum_above_the_maximum_is_refused(run_stage, fake_server, tmp_path):
+    server = fake_server()
+    write_prompts(tmp_path / "in", 4)
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
+                                           "generation.concurrency_min=10", "generation.concurrency_max=5"),
+                     check=False)
+    assert proc.returncode == 1 and "concurrency_min=10 is above generation.concurrency_max=5" in proc.stderr

@@ -12,8 +12,12 @@ again (so a knee that moves is noticed), then its neighbour one step away in the
 the other neighbour. A neighbour that beats the best by more than NOISE (the lower one: that is no worse than it by
 more than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best and the
 step grows by half (towards 2x: a far-off start or a knee that moved is reached in a few cycles); when neither does, the step halves,
-down to MIN_STEP, so the level ends up spending its time at the best and one small step either side of it. The
-search starts from the assessed best level (assess's metrics.json) in small steps, or without one from 4, doubling.
+down to MIN_STEP, so the level ends up spending its time at the best and one small step either side of it. When
+the best level, measured again, is more than SHIFT off its last figure, the server has changed (a filling KV cache
+moves the knee down): the step grows back to SHIFT_STEP, towards where the change points. The search starts from the
+assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a level
+past the knee is the slow one to measure), or without one from 4, doubling. A window that has run MAX_WINDOW_S
+decides on half a level's worth of requests.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 MIN_STEP = math.log(1.06)
 MAX_STEP = math.log(2.0)
 NOISE = 0.03  # relative throughput difference read as a real change
+SHIFT, SHIFT_STEP = 0.3, math.log(1.5)  # the best level re-measured this much off: the server changed; step again
+MAX_WINDOW_S = 15.0  # past this, half a level's worth of requests is enough (a level far past the knee is slow)
 
 
 @dataclass
@@ -53,8 +59,8 @@ class LevelController:
     @classmethod
     def starting_at(cls, level: int | None, low: int, high: int, **kw) -> LevelController:
         """From the assessed best level (small steps around it), or from 4, doubling until the curve turns."""
-        if level:
-            return cls(level=level, low=low, high=high, step=math.log(1.25), **kw)
+        if level:  # probed downwards first: a level past the knee is the slow one to measure
+            return cls(level=level, low=low, high=high, step=math.log(1.25), direction=-1, **kw)
         return cls(level=4, low=low, high=high, **kw)
 
     def completed(self, tokens: int, latency_s: float) -> None:
@@ -74,7 +80,8 @@ class LevelController:
             self._settled = True
             self._start_window(now)
         self._in_flight.append(in_flight)
-        if self._requests < max(2 * self.level, 8) or now - self._changed_at < self.min_window_s:
+        enough = max(2 * self.level, 8) if now - self._changed_at < MAX_WINDOW_S else max(self.level // 2, 8)
+        if self._requests < enough or now - self._changed_at < self.min_window_s:
             return None
         if min(self._in_flight) < 0.8 * self.level:  # not enough work to fill the level: nothing to learn
             self._start_window(now)
@@ -90,6 +97,11 @@ class LevelController:
 
     def _next_level(self, rate: float) -> int:
         if self._phase == "best":
+            if self.best_rate and abs(rate / self.best_rate - 1) > SHIFT:
+                # the best level itself got much slower (the KV cache filled: the knee moved down) or faster: look
+                # far again, first towards where the change points
+                self.step = max(self.step, SHIFT_STEP)
+                self.direction = 1 if rate > self.best_rate else -1
             self.best_rate = rate
             return self._probe("first", self.direction)
         below = self.level < self.best  # as good with fewer in flight is better: less queueing, the same tok/s

@@ -37,6 +37,12 @@ class Assessment:
 
     tokens_per_s: float | None = None
     concurrency: int | None = None
+    url: str | None = None  # the one server assess measured (its first URL)
+    local: bool = False  # ... or the embedded server
+
+    def measured(self, url: str, local: bool) -> bool:
+        """Whether this assessment is of the server at `url` (auto starts only that one at the assessed level)."""
+        return self.concurrency is not None and (url == self.url or (local and self.local))
 
     @classmethod
     def read(cls, metrics_path: str | None, server: dict) -> Assessment:
@@ -47,7 +53,10 @@ class Assessment:
             return cls()
         same = measured.get("model") == server["model"] and (
             measured.get("url") in server["urls"] or measured.get("kind") == server["kind"] == "local")
-        return cls(float(best["output_tokens_per_s"]), int(best["concurrency"])) if same else cls()
+        if not same:
+            return cls()
+        return cls(float(best["output_tokens_per_s"]), int(best["concurrency"]), measured.get("url"),
+                   measured.get("kind") == "local")
 
 
 class Progress:
@@ -128,9 +137,13 @@ class Progress:
         }
 
     def live_metrics(self) -> dict:
+        """metrics() (whole-run averages) plus the figures of the moment: the level in flight and the output tok/s
+        and TTFT of the last SERIES_EVERY_S."""
         eta_h, projected_h = self.eta_hours(self._shown)
+        now = self.series[-1] if self.series else None
         return {**self.metrics(), "concurrency": self.concurrency, "eta_hours": eta_h,
-                "assessed_eta_hours": projected_h}
+                "assessed_eta_hours": projected_h, "output_tokens_per_s_now": now[2] if now else None,
+                "ttft_p50_s_now": now[3] if now else None}
 
     def plot(self, path: Path) -> bool:
         """Throughput and concurrency over the run as a PNG; False when the run was too short to plot."""

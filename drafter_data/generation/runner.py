@@ -53,13 +53,17 @@ class RunSettings:
         if not auto and (not str(gen.concurrency).isdigit() or int(gen.concurrency) < 1):
             raise StageError(f"generation.concurrency={gen.concurrency!r}: give a number of requests in flight (>= 1) "
                              f"or auto")
+        low = max(1, int(gen.get("concurrency_min") or 1))
+        if auto and low > high:
+            raise StageError(f"generation.concurrency_min={low} is above generation.concurrency_max={high}: "
+                             f"concurrency=auto needs min <= max")
         return cls(concurrency=high if auto else int(gen.concurrency), stream=bool(g.get("stream", True)),
                    max_attempts=int(g.max_attempts), shard_rows=int(g.shard_rows), grace_s=float(g.grace_period_s),
                    target=str(cfg.target.name), max_connection_failures=int(g.get("max_connection_failures", 6)),
                    max_backoff_s=float(g.get("max_backoff_s", 60)),
                    max_run_wide_failures=int(g.get("max_run_wide_failures", 5)),
                    keep_reasoning=gen.get("history_reasoning", "drop") == "keep", auto=auto,
-                   concurrency_min=max(1, int(gen.get("concurrency_min") or 1)))
+                   concurrency_min=low)
 
     def workers(self, servers: int) -> int:
         return self.concurrency * servers if self.auto else self.concurrency
@@ -291,9 +295,11 @@ class Runner:
                     self.pool.set_limit(server, level)
 
     def concurrency(self) -> int:
+        """The level in flight now: fixed, or (auto) the sum over the servers that are up."""
         if not self.settings.auto:
             return self.settings.concurrency
-        return sum(s.limit or 0 for s in self.pool.states)
+        now = time.monotonic()
+        return sum(s.limit or 0 for s in self.pool.states if s.down_until <= now)
 
     # --- the run ---------------------------------------------------------------------------------------------
 
