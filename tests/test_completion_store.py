@@ -54,3 +54,25 @@ def test_rows_no_longer_wanted_are_moved_aside_not_deleted(tmp_path):
     assert sorted(r["request_key"] for r in read_rows(tmp_path / "out")) == [key("a"), key("b")]
     stale = [r for p in (tmp_path / "out.stale").iterdir() for r in read_rows(p)]
     assert key("old") in {r["request_key"] for r in stale}
+
+
+def test_key_sets_are_exact_where_keys_share_their_first_half():
+    """KeySet searches the keys' two 8-byte halves: keys equal in the first half must still be told apart."""
+    import numpy as np
+
+    from drafter_data.generation.keys import KEY_DTYPE, KeySet, first_of_each
+
+    rng = np.random.default_rng(0)
+    raw = bytearray(rng.bytes(16 * 2000))
+    for i in range(0, 400, 2):  # pairs sharing their first 8 bytes
+        raw[16 * (i + 1): 16 * (i + 1) + 8] = raw[16 * i: 16 * i + 8]
+    keys = np.frombuffer(bytes(raw), dtype=KEY_DTYPE)
+    keys = np.concatenate([keys, keys[:300], keys[::7]])  # and repeats
+    queries = bytearray(np.concatenate([keys[::3], np.frombuffer(rng.bytes(16 * 500), dtype=KEY_DTYPE)]).tobytes())
+    for i in range(200):  # a member's first half with another second half
+        queries[16 * i: 16 * i + 8] = raw[32 * i: 32 * i + 8]
+    queries = np.frombuffer(bytes(queries), dtype=KEY_DTYPE)
+    key_set = KeySet(keys)
+    assert key_set.keys.tobytes() == np.unique(keys).tobytes()
+    assert (key_set.contains(queries) == np.isin(queries, keys)).all()
+    assert sorted(first_of_each(keys).tolist()) == sorted(np.unique(keys, return_index=True)[1].tolist())

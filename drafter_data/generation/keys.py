@@ -42,21 +42,57 @@ def hex_column(values) -> np.ndarray:
     return np.frombuffer(binascii.unhexlify(joined), dtype=KEY_DTYPE) if values else np.zeros(0, KEY_DTYPE)
 
 
+def _halves(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A key array as two native uint64 arrays (its first and last 8 bytes, big-endian: the same order as the
+    bytes). numpy sorts and searches these many times faster than 16-byte strings."""
+    pairs = np.ascontiguousarray(keys).view(">u8").reshape(-1, 2)
+    return pairs[:, 0].astype(np.uint64), pairs[:, 1].astype(np.uint64)
+
+
+def first_of_each(keys: np.ndarray) -> np.ndarray:
+    """The index of the first occurrence of each distinct key, in key order."""
+    if not len(keys):
+        return np.zeros(0, dtype=np.intp)
+    hi, lo = _halves(keys)
+    order = np.lexsort((np.arange(len(keys)), lo, hi))  # by key, then by position
+    hi, lo = hi[order], lo[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])
+    return order[first]
+
+
 class KeySet:
-    """A sorted array of unique keys with vectorized membership (np.searchsorted); 16 bytes per key."""
+    """A sorted array of unique keys with vectorized membership (binary search over the keys' two 8-byte halves);
+    16 bytes per key."""
 
     def __init__(self, keys: np.ndarray | None = None):
-        self.keys = np.unique(keys) if keys is not None and len(keys) else np.zeros(0, KEY_DTYPE)
+        if keys is None or not len(keys):
+            self.keys = np.zeros(0, KEY_DTYPE)
+        else:
+            self.keys = keys[first_of_each(keys)]
+        self._hi, self._lo = _halves(self.keys)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
+        found = np.zeros(len(keys), dtype=bool)
         if not len(self.keys) or not len(keys):
-            return np.zeros(len(keys), dtype=bool)
-        pos = np.searchsorted(self.keys, keys)
-        pos[pos == len(self.keys)] = 0
-        return self.keys[pos] == keys
+            return found
+        hi, lo = _halves(keys)
+        n = len(self._hi)
+        order = np.argsort(hi)  # needles in order: the binary search then runs near memory speed
+        pos = np.empty(len(keys), dtype=np.intp)
+        pos[order] = np.searchsorted(self._hi, hi[order])
+        todo = np.arange(len(keys))
+        while len(todo):  # more than one pass only where first halves are equal and the second ones differ
+            at = np.minimum(pos[todo], n - 1)
+            same_hi = (pos[todo] < n) & (self._hi[at] == hi[todo])
+            match = same_hi & (self._lo[at] == lo[todo])
+            found[todo[match]] = True
+            todo = todo[same_hi & ~match]
+            pos[todo] += 1
+        return found
 
     def __contains__(self, key: bytes) -> bool:
         return bool(self.contains(np.array([key], dtype=KEY_DTYPE))[0])

@@ -10,6 +10,7 @@ changes nothing) and, once preflight has passed, *applies* the plan:
 """
 from __future__ import annotations
 
+import binascii
 import shutil
 import threading
 import time
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from drafter_data.contract import COMPLETIONS, shard_paths, write_table_atomic
-from drafter_data.generation.keys import KEY_DTYPE, KeySet, hex_column
+from drafter_data.generation.keys import KEY_DTYPE, KeySet, first_of_each, hex_column
 
 SHARD_PREFIX = "completions-"
 PLAN_COLUMNS = ["request_key", "parent_key", "turn", "turns", "finish_reason", "tool_calls", "token_ids_via"]
@@ -201,17 +203,27 @@ def _read_keys(path: Path, from_stale: bool) -> ShardKeys:
             return np.full(n, default, dtype=np.int32)
         return table.column(name).fill_null(default).to_numpy().astype(np.int32)
 
-    parents = hex_column(table.column("parent_key").to_pylist()) if "parent_key" in names else \
-        np.zeros(n, KEY_DTYPE)
+    parents = hex_keys(table.column("parent_key")) if "parent_key" in names else np.zeros(n, KEY_DTYPE)
     # a conversation goes on only after an answer that stopped by itself without a tool call (as Runner.converse:
     # some servers end a tool call with finish_reason "stop")
-    stopped = np.asarray([f == "stop" for f in table.column("finish_reason").to_pylist()], dtype=bool)
+    stopped = pc.equal(table.column("finish_reason"), "stop").fill_null(False).to_numpy(zero_copy_only=False)
     if "tool_calls" in names:
         stopped &= ~table.column("tool_calls").is_valid().to_numpy(zero_copy_only=False)
     has_ids = table.column("token_ids_via").is_valid().to_numpy(zero_copy_only=False) if "token_ids_via" in names \
         else np.zeros(n, dtype=bool)
-    return ShardKeys(path, from_stale, hex_column(table.column("request_key").to_pylist()), parents,
+    return ShardKeys(path, from_stale, hex_keys(table.column("request_key")), parents,
                      ints("turn", 0), np.maximum(ints("turns", 1), 1), stopped, has_ids)
+
+
+def hex_keys(column: pa.ChunkedArray) -> np.ndarray:
+    """hex_column of an Arrow string column, straight from its buffers when every value is a 32-character key."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if array.null_count == 0 and pa.types.is_string(array.type) and len(array):
+        offsets = np.frombuffer(array.buffers()[1], dtype=np.int32)[array.offset: array.offset + len(array) + 1]
+        if (np.diff(offsets) == 32).all():
+            data = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0]: offsets[-1]]
+            return np.frombuffer(binascii.unhexlify(data.tobytes()), dtype=KEY_DTYPE)
+    return hex_column(column.to_pylist())
 
 
 def _plan(shards: list[ShardKeys], wanted0: KeySet, broken: list, require_ids: bool) -> ResumePlan:
@@ -223,7 +235,7 @@ def _plan(shards: list[ShardKeys], wanted0: KeySet, broken: list, require_ids: b
     first = np.zeros(len(keys), dtype=bool)
     if usable.any():  # the first usable copy of each key wins
         idx = np.flatnonzero(usable)
-        first[idx[np.unique(keys[idx], return_index=True)[1]]] = True
+        first[idx[first_of_each(keys[idx])]] = True
     valid = first & (turn == 0) & wanted0.contains(keys)
     for t in range(1, int(turn.max()) + 1 if len(turn) else 1):
         level = first & (turn == t)
