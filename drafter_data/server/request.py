@@ -49,15 +49,19 @@ class RequestSpec:
         return chat_template_kwargs(self.thinking_kwarg, self.thinking if thinking is None else thinking,
                                     self.template_kwargs)
 
+    def _deciding(self, thinking: bool | None) -> dict:
+        """What decides the answer besides the messages and tools: sent as is, and hashed into the identity."""
+        fields = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                  "top_p": self.top_p, "extra_body": {"chat_template_kwargs": self.chat_template_kwargs(thinking)}}
+        if self.seed is not None:
+            fields["seed"] = self.seed
+        if self.logit_bias:
+            fields["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        return fields
+
     def body(self, messages: list[dict], tools: list | None = None, thinking: bool | None = None) -> dict:
         """Keyword arguments for `client.chat.completions.create` (fields outside OpenAI's API go in extra_body)."""
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "top_p": self.top_p,
-                "extra_body": {"chat_template_kwargs": self.chat_template_kwargs(thinking)}}
-        if self.seed is not None:
-            body["seed"] = self.seed
-        if self.logit_bias:
-            body["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        body = {**self._deciding(thinking), "messages": messages}
         if tools:
             body["tools"] = tools
         method = id_method(self.token_ids_via)
@@ -69,14 +73,7 @@ class RequestSpec:
         """Everything besides the prompt that determines a completion in mode `thinking` (this spec's unless
         given), as canonical bytes (the request key's input). Unchanged in form since the first release, so
         completions made then still resume."""
-        ident = {"target": target_name, "model": self.model, "max_tokens": self.max_tokens,
-                 "temperature": self.temperature, "top_p": self.top_p,
-                 "extra_body": {"chat_template_kwargs": self.chat_template_kwargs(thinking)}}
-        if self.seed is not None:
-            ident["seed"] = self.seed
-        if self.logit_bias:
-            ident["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
-        return orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps({"target": target_name, **self._deciding(thinking)}, option=orjson.OPT_SORT_KEYS)
 
     def with_max_tokens(self, max_tokens: int) -> RequestSpec:
         return RequestSpec(**{**self.__dict__, "max_tokens": int(max_tokens)})
