@@ -326,7 +326,7 @@ def stage_run(stage: str, cfg: DictConfig):
     try:
         yield run
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM (config.run_stage turns it into SystemExit)
         status = "KILLED"
         raise
     finally:
