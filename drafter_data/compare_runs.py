@@ -149,11 +149,13 @@ def main(argv=None) -> None:
     if exp is None:
         print(f"no experiment {args.experiment!r} at {redact_url(uri)}")
         return
-    filters = [f"tags.stage = '{args.stage}'"] if args.stage else []
-    if args.pipeline_run:
-        filters.append("tags.pipeline_run IN (" + ", ".join(f"'{p}'" for p in args.pipeline_run) + ")")
-    runs = client.search_runs([exp.experiment_id], " AND ".join(filters), max_results=SEARCH_LIMIT,
-                              order_by=["attributes.start_time DESC"])
+    stage = [f"tags.stage = '{args.stage}'"] if args.stage else []
+    # MLflow's search has no IN for tags: one search per pipeline run asked for
+    searches = [stage + [f"tags.pipeline_run = '{p}'"] for p in args.pipeline_run] or [stage]
+    runs = sorted((run for filters in searches
+                   for run in client.search_runs([exp.experiment_id], " AND ".join(filters), max_results=SEARCH_LIMIT,
+                                                 order_by=["attributes.start_time DESC"])),
+                  key=lambda run: run.info.start_time, reverse=True)
     if args.stage:
         print(stage_runs(runs[:args.last], args.stage))
         return

@@ -261,6 +261,12 @@ def test_compare_runs_puts_two_pipeline_runs_side_by_side(mlflow_uri):
     assert rows["tokens made"][-1] == "123,456" and rows["drift rate"][-1] == "0.0125"
     assert "gpu-1:30000 gpu-2:30000" in out.stdout
     assert f"#/experiments/{exp_id}/runs?workflowType=machine_learning" in out.stdout
+    picked = subprocess.run([sys.executable, "-m", "drafter_data.compare_runs", "--experiment", name,
+                             "--pipeline-run", "pr-off", "--pipeline-run", "pr-on"], cwd=REPO,
+                            env={**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri}, capture_output=True, text=True)
+    assert picked.returncode == 0, picked.stderr
+    assert [line.split()[-2:] for line in picked.stdout.splitlines() if line.startswith("pipeline run")] == \
+        [["pr-on", "pr-off"]]
 
 
 class HangingClient:
