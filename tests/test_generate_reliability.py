@@ -63,7 +63,7 @@ def test_an_input_shard_lost_mid_run_stops_the_run_with_one_line(fake_server, tm
 
 
 def test_tracking_that_fails_never_stops_the_run_or_its_flushes(fake_server, tmp_path, mlflow_uri):
-    server = fake_server({"token_delay_s": 0.01})
+    server = fake_server({"token_delay_s": 0.04})  # a run of ~20 s: several 2 s flushes before the end's compaction
     prompts = write_prompts(tmp_path / "in", 150)
     args = gen_args(server.url, tmp_path / "in", tmp_path / "out", "generate.shard_rows=100000",
                     "generation.concurrency=4")
