@@ -48,7 +48,13 @@ def test_gemma_rows_start_the_loss_where_the_server_started_generating(run_stage
         context = servers_prompt_ids(tok, [dict(m) for m in row["messages"]])
         assert t["input_ids"][:start] == context and start == row["prompt_tokens"]
         assert t["input_ids"][0] == tok.bos_id and tok.decode(context).endswith("<start_of_turn>model\n<think>\n")
-        assert tok.decode(t["input_ids"][start:]) == expected_answer(row), pid
+        answer = tok.decode(t["input_ids"][start:])
+        if row["finish_reason"] == "length":
+            # the loss is exactly what was sampled; at a cut the server may keep back the text of its last tokens
+            # (a "<" that might begin "</think>"), so the sampled ids can run past the row's text
+            assert t["input_ids"][start:] == row["completion_token_ids"] and answer.startswith(expected_answer(row))
+        else:
+            assert answer == expected_answer(row), pid
 
 
 def test_gemma_empty_reasoning_is_dropped_not_reshaped(run_stage, llama_server, tmp_path):
