@@ -23,7 +23,8 @@ from drafter_data.assessment.report import plot, report
 from drafter_data.config import run_stage
 from drafter_data.errors import StageError
 from drafter_data.server.client import make_client
-from drafter_data.server.endpoints import api_key, check_api_key_env, redact_url
+from drafter_data.redaction import redact_url
+from drafter_data.server.endpoints import api_key, check_api_key_env
 from drafter_data.server.serving import servers
 from drafter_data.server.preflight import preflight
 from drafter_data.server.request import RequestSpec

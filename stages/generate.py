@@ -31,7 +31,8 @@ from drafter_data.generation.runner import Runner, RunSettings
 from drafter_data.generation.store import CompletionStore, ResumePlan
 from drafter_data.generation.work import InputKeys, ThinkingModes, count_todo, input_keys, iter_todo
 from drafter_data.server.client import make_client
-from drafter_data.server.endpoints import api_key, check_api_key_env, redact_url
+from drafter_data.redaction import redact_url
+from drafter_data.server.endpoints import api_key, check_api_key_env
 from drafter_data.server.pool import ServerPool, ServerState
 from drafter_data.server.preflight import preflight
 from drafter_data.server.request import RequestSpec

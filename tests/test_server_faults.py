@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from drafter_data.errors import StageError
 from drafter_data.server.client import complete, make_client
-from drafter_data.server.endpoints import ApiKey, api_key, redact_url
+from drafter_data.redaction import redact_url
+from drafter_data.server.endpoints import ApiKey, api_key
 from drafter_data.server.faults import MAX_RETRY_AFTER_S, Fault, RetryBudget, classify, retry_after_s
 from drafter_data.server.request import RequestSpec
 

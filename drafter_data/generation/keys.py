@@ -12,6 +12,7 @@ import hashlib
 
 import numpy as np
 import orjson
+import pyarrow as pa
 
 KEY_DTYPE = "S16"  # compares and sorts as raw bytes; read a key out as arr[i:i+1].tobytes() (an item drops
 # trailing zero bytes)
@@ -42,6 +43,17 @@ def hex_column(values) -> np.ndarray:
     return np.frombuffer(binascii.unhexlify(joined), dtype=KEY_DTYPE) if values else np.zeros(0, KEY_DTYPE)
 
 
+def hex_keys(column: pa.ChunkedArray) -> np.ndarray:
+    """hex_column of an Arrow string column, straight from its buffers when every value is a 32-character key."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if array.null_count == 0 and pa.types.is_string(array.type) and len(array):
+        offsets = np.frombuffer(array.buffers()[1], dtype=np.int32)[array.offset: array.offset + len(array) + 1]
+        if (np.diff(offsets) == 32).all():
+            data = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0]: offsets[-1]]
+            return np.frombuffer(binascii.unhexlify(data.tobytes()), dtype=KEY_DTYPE)
+    return hex_column(column.to_pylist())
+
+
 def _halves(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A key array as two native uint64 arrays (its first and last 8 bytes, big-endian: the same order as the
     bytes). numpy sorts and searches these many times faster than 16-byte strings."""
@@ -49,16 +61,21 @@ def _halves(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pairs[:, 0].astype(np.uint64), pairs[:, 1].astype(np.uint64)
 
 
-def first_of_each(keys: np.ndarray) -> np.ndarray:
-    """The index of the first occurrence of each distinct key, in key order."""
+def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the index of the first occurrence of each distinct key, in key order; those keys' halves, sorted)."""
     if not len(keys):
-        return np.zeros(0, dtype=np.intp)
+        return np.zeros(0, dtype=np.intp), np.zeros(0, np.uint64), np.zeros(0, np.uint64)
     hi, lo = _halves(keys)
     order = np.lexsort((np.arange(len(keys)), lo, hi))  # by key, then by position
     hi, lo = hi[order], lo[order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])
-    return order[first]
+    return order[first], hi[first], lo[first]
+
+
+def first_of_each(keys: np.ndarray) -> np.ndarray:
+    """The index of the first occurrence of each distinct key, in key order."""
+    return _distinct(keys)[0]
 
 
 class KeySet:
@@ -66,11 +83,9 @@ class KeySet:
     16 bytes per key."""
 
     def __init__(self, keys: np.ndarray | None = None):
-        if keys is None or not len(keys):
-            self.keys = np.zeros(0, KEY_DTYPE)
-        else:
-            self.keys = keys[first_of_each(keys)]
-        self._hi, self._lo = _halves(self.keys)
+        keys = np.zeros(0, KEY_DTYPE) if keys is None else keys
+        first, self._hi, self._lo = _distinct(keys)
+        self.keys = keys[first]
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -126,7 +126,7 @@ class Progress:
             "stopped_by_error": self.c.stopped_by_error, "stopped_at_length": self.c.stopped_at_length,
             "stopped_at_tool_call": self.c.stopped_at_tool_call,
             "length_cut_share": self.c.finished_length / self.c.done if self.c.done else None,
-            "output_tokens_per_s": self.c.output_tokens / elapsed,
+            "output_tokens_per_s": self.tokens_per_s(),
             "requests_per_s": self.c.done / elapsed,
             "latency_p50_s": float(np.percentile(lat, 50)) if lat is not None else None,
             "latency_p99_s": float(np.percentile(lat, 99)) if lat is not None else None,

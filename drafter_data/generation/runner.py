@@ -298,8 +298,7 @@ class Runner:
         """The level in flight now: fixed, or (auto) the sum over the servers that are up."""
         if not self.settings.auto:
             return self.settings.concurrency
-        now = time.monotonic()
-        return sum(s.limit or 0 for s in self.pool.states if s.down_until <= now)
+        return sum(s.limit or 0 for s in self.pool.up())
 
     # --- the run ---------------------------------------------------------------------------------------------
 

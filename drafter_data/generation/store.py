@@ -10,7 +10,6 @@ changes nothing) and, once preflight has passed, *applies* the plan:
 """
 from __future__ import annotations
 
-import binascii
 import shutil
 import threading
 import time
@@ -24,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from drafter_data.contract import COMPLETIONS, shard_paths, write_table_atomic
-from drafter_data.generation.keys import KEY_DTYPE, KeySet, first_of_each, hex_column
+from drafter_data.generation.keys import KEY_DTYPE, KeySet, first_of_each, hex_keys
 
 SHARD_PREFIX = "completions-"
 PLAN_COLUMNS = ["request_key", "parent_key", "turn", "turns", "finish_reason", "tool_calls", "token_ids_via"]
@@ -137,13 +136,17 @@ class CompletionStore:
         self.quarantine_dir.mkdir(parents=True, exist_ok=True)
         shutil.move(str(path), self.quarantine_dir / path.name)
 
+    def _lose(self, path: Path, exc: Exception) -> None:
+        """A shard the plan counted turned out unreadable: quarantined and listed in `lost`."""
+        self._quarantine(path)
+        self.lost.append((path.name, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+
     def _read_whole(self, path: Path) -> pa.Table | None:
-        """A shard, every column; None when it cannot be read whole (then quarantined and listed in `lost`)."""
+        """A shard, every column; None when it cannot be read whole (then lost)."""
         try:
             return _conform(pq.read_table(path))
         except Exception as exc:  # noqa: BLE001 - any unreadable shard: quarantined, never a crash
-            self._quarantine(path)
-            self.lost.append((path.name, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+            self._lose(path, exc)
             return None
 
     def write(self, rows: list[dict]) -> Path | None:
@@ -162,8 +165,7 @@ class CompletionStore:
             try:
                 rows = pq.ParquetFile(path).metadata.num_rows
             except Exception as exc:  # noqa: BLE001 - its footer broke since the plan read it
-                self._quarantine(path)
-                self.lost.append((path.name, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+                self._lose(path, exc)
                 continue
             if rows < self.compact_rows:
                 small.append(path)
@@ -213,17 +215,6 @@ def _read_keys(path: Path, from_stale: bool) -> ShardKeys:
         else np.zeros(n, dtype=bool)
     return ShardKeys(path, from_stale, hex_keys(table.column("request_key")), parents,
                      ints("turn", 0), np.maximum(ints("turns", 1), 1), stopped, has_ids)
-
-
-def hex_keys(column: pa.ChunkedArray) -> np.ndarray:
-    """hex_column of an Arrow string column, straight from its buffers when every value is a 32-character key."""
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    if array.null_count == 0 and pa.types.is_string(array.type) and len(array):
-        offsets = np.frombuffer(array.buffers()[1], dtype=np.int32)[array.offset: array.offset + len(array) + 1]
-        if (np.diff(offsets) == 32).all():
-            data = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0]: offsets[-1]]
-            return np.frombuffer(binascii.unhexlify(data.tobytes()), dtype=KEY_DTYPE)
-    return hex_column(column.to_pylist())
 
 
 def _plan(shards: list[ShardKeys], wanted0: KeySet, broken: list, require_ids: bool) -> ResumePlan:

@@ -110,7 +110,10 @@ def plain_prompt_digest(text: str, max_chars, count_tokens, max_tokens) -> bytes
         raise Malformed("too_long", "")
     if count_tokens is not None and count_tokens([{"role": "user", "content": text}], None) > max_tokens:
         raise Malformed("too_many_tokens", "")
-    return blake2b(_PLAIN_HEAD + orjson.dumps(text) + PLAIN_DIGEST_TAIL, digest_size=16).digest()
+    digest = plain_digest_hasher()
+    digest.update(orjson.dumps(text))
+    digest.update(PLAIN_DIGEST_TAIL)
+    return digest.digest()
 
 
 def _with_extras(messages: list[dict], extras: list | None) -> list[dict]:

@@ -1,12 +1,11 @@
-"""Where the servers are: the configured base URL(s), their root, and the API key from the environment; URLs made
-safe to print (no user:password)."""
+"""Where the servers are: the configured base URL(s), their root, and the API key from the environment (URLs are
+made safe to print by drafter_data.redaction)."""
 from __future__ import annotations
 
 import os
 import re
 
 from drafter_data.errors import StageError
-from drafter_data.redaction import redact_url  # noqa: F401 - where the server modules take it from
 
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

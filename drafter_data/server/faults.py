@@ -18,7 +18,7 @@ import httpx2
 import openai
 import orjson
 
-from drafter_data.server.endpoints import redact_url
+from drafter_data.redaction import redact_url
 
 # Sanity bound of a parsed Retry-After (every caller caps its waits lower: generate.max_backoff_s).
 MAX_RETRY_AFTER_S = 3600.0

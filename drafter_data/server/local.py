@@ -22,7 +22,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from drafter_data.errors import StageError
-from drafter_data.server.endpoints import api_root, redact_url
+from drafter_data.redaction import redact_url
+from drafter_data.server.endpoints import api_root
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 

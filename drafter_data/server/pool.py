@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from drafter_data.errors import StageError
-from drafter_data.server.endpoints import redact_url
+from drafter_data.redaction import redact_url
 
 MAX_PAUSE_S = 10.0
 
@@ -42,7 +42,7 @@ class ServerPool:
         full."""
         while True:
             now = time.monotonic()
-            up = [s for s in self.states if s.down_until <= now]
+            up = self.up(now)
             open_ = [s for s in up if s.room() > 0]
             if open_:
                 chosen = max(open_, key=lambda s: (s.room() if s.limit else -s.outstanding))
@@ -56,6 +56,11 @@ class ServerPool:
             wake = min([s.down_until for s in self.states if s.down_until > now] + [give_up_at]) - now + 0.01
             self._freed.clear()
             await sleep_unless(self._freed, max(0.01, wake))
+
+    def up(self, now: float | None = None) -> list[ServerState]:
+        """The servers not set aside."""
+        now = time.monotonic() if now is None else now
+        return [s for s in self.states if s.down_until <= now]
 
     def release(self, s: ServerState) -> None:
         s.outstanding -= 1

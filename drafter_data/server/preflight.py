@@ -11,7 +11,7 @@ from openai import AsyncOpenAI
 
 from drafter_data.errors import StageError
 from drafter_data.server.client import complete
-from drafter_data.server.endpoints import redact_url
+from drafter_data.redaction import redact_url
 from drafter_data.server.engine import detect_engine
 from drafter_data.server.faults import (IncompleteTokenIds, TruncatedStream, call_with_retries, classify,
                                        error_message)
