@@ -29,7 +29,7 @@ from drafter_data.generation.concurrency import LevelController
 from drafter_data.generation.progress import Assessment
 from drafter_data.generation.runner import Runner, RunSettings
 from drafter_data.generation.store import CompletionStore, ResumePlan
-from drafter_data.generation.work import InputKeys, ThinkingModes, count_todo, input_keys, iter_todo
+from drafter_data.generation.work import InputKeys, ThinkingModes, input_keys, iter_todo, not_started
 from drafter_data.server.client import make_client
 from drafter_data.redaction import redact_url
 from drafter_data.server.endpoints import api_key, check_api_key_env
@@ -54,19 +54,22 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     prompts = input_shards(Path(g.input))
     inputs = input_keys(prompts, spec, cfg.target.name, modes)
     store = CompletionStore(Path(g.output))
-    plan = store.plan(KeySet(inputs.keys), require_ids=spec.token_ids == "on")  # reads only; moves nothing yet
+    wanted0 = KeySet(inputs.keys)
+    plan = store.plan(wanted0, require_ids=spec.token_ids == "on")  # reads only; moves nothing yet
     assessed = Assessment.read(g.get("assessment"), {"model": spec.model, "kind": str(cfg.server.get("kind")),
                                                      "urls": [redact_url(u) for u in urls]})
     pool = await connect(cfg, spec, urls, settings, modes)
     if settings.auto:
         follow_each_server(pool, settings, assessed, str(cfg.server.get("kind")) == "local")
-    plan = apply(store, plan, KeySet(inputs.keys), spec.token_ids == "on")
+    plan = apply(store, plan, wanted0, spec.token_ids == "on")
+    del wanted0
     errors = ErrorLog(Path(g.output) / "errors.jsonl", plan.valid)
-    total = report_resume(inputs, plan)
+    fresh = not_started(inputs, plan)
+    total = report_resume(inputs, fresh, plan)
     runner = Runner(spec, settings, pool, store, errors, run, assessed)
     ended_by = None
     try:
-        await runner.run_all(iter_todo(prompts, inputs, plan, settings.keep_reasoning), total)
+        await runner.run_all(iter_todo(prompts, inputs, fresh, plan, settings.keep_reasoning), total)
     except BaseException as exc:
         ended_by = exc
         raise
@@ -150,8 +153,8 @@ def apply(store: CompletionStore, plan: ResumePlan, wanted0: KeySet, require_ids
     return plan
 
 
-def report_resume(inputs: InputKeys, plan: ResumePlan) -> int:
-    new, continuing = count_todo(inputs, plan)
+def report_resume(inputs: InputKeys, fresh, plan: ResumePlan) -> int:
+    new, continuing = int(fresh.sum()), len(plan.continue_rows)
     done = len(inputs.keys) - new - continuing
     more = f" ({continuing} conversations to continue)" if continuing else ""
     print(f"{len(inputs.keys)} prompts: {done} already done, {new + continuing} to generate{more}", file=sys.stderr)

@@ -73,6 +73,35 @@ def test_key_sets_are_exact_where_keys_share_their_first_half():
         queries[16 * i: 16 * i + 8] = raw[32 * i: 32 * i + 8]
     queries = np.frombuffer(bytes(queries), dtype=KEY_DTYPE)
     key_set = KeySet(keys)
-    assert key_set.keys.tobytes() == np.unique(keys).tobytes()
+    assert len(key_set) == len(np.unique(keys))
     assert (key_set.contains(queries) == np.isin(queries, keys)).all()
-    assert sorted(first_of_each(keys).tolist()) == sorted(np.unique(keys, return_index=True)[1].tolist())
+    first = first_of_each(keys)
+    assert keys[first].tobytes() == np.unique(keys).tobytes()  # in key order
+    assert first.tolist() == np.unique(keys, return_index=True)[1].tolist()  # the first copy of each
+    some = first[::3]
+    assert (KeySet.of_distinct(keys, some).contains(queries) == np.isin(queries, keys[some])).all()
+
+
+def turn_row(name: str, turn: int, parent: str | None, turns: int = 3, finish: str = "stop") -> dict:
+    return {**rows([name])[0], "turn": turn, "turns": turns, "parent_key": key(parent) if parent else None,
+            "finish_reason": finish}
+
+
+def test_a_later_turn_counts_only_on_a_valid_turn_before_it(tmp_path):
+    """Validity follows each conversation turn by turn, whatever shard a turn is in: a turn built on an answer that
+    is no longer valid goes aside with it, and a conversation goes on from its last valid turn."""
+    store = CompletionStore(tmp_path / "out")
+    store.write([turn_row("a0", 0, None), turn_row("b0", 0, None), turn_row("x0", 0, None)])
+    store.write([turn_row("a1", 1, "a0"), turn_row("x1", 1, "x0"), turn_row("orphan1", 1, "nobody")])
+    store.write([turn_row("a2", 2, "a1"), turn_row("x2", 2, "x1"), turn_row("b1", 1, "b0", finish="length")])
+    plan = resume(tmp_path / "out", "a0", "b0")  # x0 is no longer an input prompt
+    assert len(plan.valid) == 5 and len(plan.done0) == 2  # a0 a1 a2 b0 b1
+    assert plan.stale_rows == 4  # x0 x1 x2 orphan1
+    assert plan.continue_rows == []  # a has no turn left; b was cut at length
+    kept = sorted(r["request_key"] for r in read_rows(tmp_path / "out"))
+    assert kept == sorted(key(k) for k in ("a0", "a1", "a2", "b0", "b1"))
+
+    store = CompletionStore(tmp_path / "more")
+    store.write([turn_row("c0", 0, None), turn_row("c1", 1, "c0"), turn_row("d0", 0, None)])
+    plan = resume(tmp_path / "more", "c0", "d0")
+    assert sorted(r["request_key"] for r in plan.continue_rows) == [key("c1"), key("d0")]

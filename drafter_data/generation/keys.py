@@ -14,12 +14,15 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
+CHUNK = 1 << 20  # keys looked up at a time
 KEY_DTYPE = "S16"  # compares and sorts as raw bytes; read a key out as arr[i:i+1].tobytes() (an item drops
 # trailing zero bytes)
 
 
-def request_key(prompt_id: str, identity: bytes) -> bytes:
-    return hashlib.blake2b(prompt_id.encode() + b"\0" + identity, digest_size=16).digest()
+def request_keys(prompt_ids: list[str], identity: bytes) -> bytes:
+    """The turn-0 key of each prompt, concatenated (one tight loop: it runs over every input prompt at each start)."""
+    suffix, blake2b = b"\0" + identity, hashlib.blake2b
+    return b"".join([blake2b(pid.encode() + suffix, digest_size=16).digest() for pid in prompt_ids])
 
 
 def turn_key(parent: bytes, turn: int, answer: dict, keep_reasoning: bool) -> bytes:
@@ -66,8 +69,16 @@ def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if not len(keys):
         return np.zeros(0, dtype=np.intp), np.zeros(0, np.uint64), np.zeros(0, np.uint64)
     hi, lo = _halves(keys)
-    order = np.lexsort((np.arange(len(keys)), lo, hi))  # by key, then by position
-    hi, lo = hi[order], lo[order]
+    order = np.argsort(hi)
+    hi = hi[order]
+    # first halves are 64 random bits, so equal ones are nearly always copies of one key: only those few are sorted
+    # again, by whole key and then position (the first copy wins)
+    tied = np.flatnonzero(hi[1:] == hi[:-1])
+    if len(tied):
+        span = np.union1d(tied, tied + 1)
+        group = order[span]
+        order[span] = group[np.lexsort((group, lo[group], hi[span]))]
+    lo = lo[order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])
     return order[first], hi[first], lo[first]
@@ -79,26 +90,38 @@ def first_of_each(keys: np.ndarray) -> np.ndarray:
 
 
 class KeySet:
-    """A sorted array of unique keys with vectorized membership (binary search over the keys' two 8-byte halves);
-    16 bytes per key."""
+    """A set of keys as its sorted, unique halves (binary search, vectorized): 16 bytes per key."""
 
     def __init__(self, keys: np.ndarray | None = None):
         keys = np.zeros(0, KEY_DTYPE) if keys is None else keys
-        first, self._hi, self._lo = _distinct(keys)
-        self.keys = keys[first]
+        _, self._hi, self._lo = _distinct(keys)
+
+    @classmethod
+    def of_distinct(cls, keys: np.ndarray, first: np.ndarray) -> KeySet:
+        """The set of keys[first], where `first` is first_of_each(keys) (or a subset of it, in its order): sorts
+        nothing again."""
+        s = cls.__new__(cls)
+        s._hi, s._lo = _halves(keys[first])
+        return s
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self._hi)
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
         found = np.zeros(len(keys), dtype=bool)
-        if not len(self.keys) or not len(keys):
-            return found
+        if len(self._hi):
+            for start in range(0, len(keys), CHUNK):  # bounded temporaries, however many keys are asked about
+                found[start: start + CHUNK] = self._contains(keys[start: start + CHUNK])
+        return found
+
+    def _contains(self, keys: np.ndarray) -> np.ndarray:
+        found = np.zeros(len(keys), dtype=bool)
         hi, lo = _halves(keys)
         n = len(self._hi)
         order = np.argsort(hi)  # needles in order: the binary search then runs near memory speed
         pos = np.empty(len(keys), dtype=np.intp)
         pos[order] = np.searchsorted(self._hi, hi[order])
+        del order
         todo = np.arange(len(keys))
         while len(todo):  # more than one pass only where first halves are equal and the second ones differ
             at = np.minimum(pos[todo], n - 1)

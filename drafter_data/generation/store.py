@@ -30,17 +30,39 @@ PLAN_COLUMNS = ["request_key", "parent_key", "turn", "turns", "finish_reason", "
 
 
 @dataclass
-class ShardKeys:
-    """The plan's view of one shard: its keys and what each row is."""
-
+class Shard:
     path: Path
     stale_source: bool  # a shard of .stale/ (a candidate for restoring)
+    rows: int
+
+
+@dataclass
+class KeyColumns:
+    """The plan's view of rows (one shard's, or every shard's joined): their keys and what each row is."""
+
     keys: np.ndarray
-    parents: np.ndarray
+    later: np.ndarray  # the rows of turns after the first (intp)
+    parents: np.ndarray  # their parents' keys (a turn-0 row has none: single-turn data holds no parent keys)
     turns_done: np.ndarray  # the row's turn
-    turns_total: np.ndarray  # the conversation's number of turns
-    stopped: np.ndarray  # finish_reason == "stop": the conversation may go on
+    may_go_on: np.ndarray  # the conversation has turns left and this answer stopped by itself
     has_ids: np.ndarray  # the server's token ids were stored with the row
+
+    @classmethod
+    def join(cls, parts: list[KeyColumns]) -> KeyColumns:
+        """One array per column; each shard's own arrays are let go as soon as they are joined (peak: one copy plus
+        one column)."""
+        dtypes = {"keys": KEY_DTYPE, "later": np.intp, "parents": KEY_DTYPE, "turns_done": np.int32,
+                  "may_go_on": bool, "has_ids": bool}
+        offset = 0
+        for p in parts:  # row numbers of the joined arrays
+            p.later = p.later + offset
+            offset += len(p.keys)
+        joined = {}
+        for name, dtype in dtypes.items():
+            joined[name] = np.concatenate([getattr(p, name) for p in parts]) if parts else np.zeros(0, dtype)
+            for p in parts:
+                setattr(p, name, None)
+        return cls(**joined)
 
 
 @dataclass
@@ -93,15 +115,17 @@ class CompletionStore:
         key columns only and changes nothing but leftover temp files."""
         for leftover in self.dir.glob(".*.tmp-*"):
             leftover.unlink()
-        shards, broken = [], []
+        shards, parts, broken = [], [], []
         stale_paths = sorted(self.stale_root.rglob(f"{SHARD_PREFIX}*.parquet")) if self.stale_root.exists() else []
         for path, from_stale in [(p, False) for p in self.shards()] + [(p, True) for p in stale_paths]:
             try:
-                shards.append(_read_keys(path, from_stale))
+                parts.append(_read_keys(path))
             except Exception as exc:  # noqa: BLE001 - any unreadable shard: quarantined, never a crash
                 if not from_stale:
                     broken.append((path, f"{type(exc).__name__}: {exc}"))
-        return _plan(shards, wanted0, broken, require_ids)
+                continue
+            shards.append(Shard(path, from_stale, len(parts[-1].keys)))
+        return _plan(shards, KeyColumns.join(parts), wanted0, broken, require_ids)
 
     def apply(self, plan: ResumePlan) -> None:
         """Carries out a plan: quarantine, rewrite/move aside, restore. Each step writes before it removes, so a
@@ -195,7 +219,7 @@ def _conform(table: pa.Table) -> pa.Table:
     return pa.table(columns, schema=COMPLETIONS)
 
 
-def _read_keys(path: Path, from_stale: bool) -> ShardKeys:
+def _read_keys(path: Path) -> KeyColumns:
     names = set(pq.read_schema(path).names)
     table = pq.read_table(path, columns=[c for c in PLAN_COLUMNS if c in names])
     n = table.num_rows
@@ -205,46 +229,52 @@ def _read_keys(path: Path, from_stale: bool) -> ShardKeys:
             return np.full(n, default, dtype=np.int32)
         return table.column(name).fill_null(default).to_numpy().astype(np.int32)
 
-    parents = hex_keys(table.column("parent_key")) if "parent_key" in names else np.zeros(n, KEY_DTYPE)
+    turn = ints("turn", 0)
+    later = np.flatnonzero(turn > 0)
+    parents = hex_keys(table.column("parent_key").take(later)) if "parent_key" in names and len(later) \
+        else np.zeros(len(later), KEY_DTYPE)
     # a conversation goes on only after an answer that stopped by itself without a tool call (as Runner.converse:
     # some servers end a tool call with finish_reason "stop")
     stopped = pc.equal(table.column("finish_reason"), "stop").fill_null(False).to_numpy(zero_copy_only=False)
     if "tool_calls" in names:
         stopped &= ~table.column("tool_calls").is_valid().to_numpy(zero_copy_only=False)
+    may_go_on = stopped & (turn < np.maximum(ints("turns", 1), 1) - 1)
     has_ids = table.column("token_ids_via").is_valid().to_numpy(zero_copy_only=False) if "token_ids_via" in names \
         else np.zeros(n, dtype=bool)
-    return ShardKeys(path, from_stale, hex_keys(table.column("request_key")), parents,
-                     ints("turn", 0), np.maximum(ints("turns", 1), 1), stopped, has_ids)
+    return KeyColumns(hex_keys(table.column("request_key")), later, parents, turn, may_go_on, has_ids)
 
 
-def _plan(shards: list[ShardKeys], wanted0: KeySet, broken: list, require_ids: bool) -> ResumePlan:
+def _plan(shards: list[Shard], rows: KeyColumns, wanted0: KeySet, broken: list, require_ids: bool) -> ResumePlan:
     """Validity by turn: a turn-0 row is valid when its key is wanted; a turn-k row when its parent is a valid
     turn-(k-1) row. The first copy of a key wins (main shards before .stale)."""
-    cat = lambda attr, dtype: np.concatenate([getattr(s, attr) for s in shards]) if shards else np.zeros(0, dtype)  # noqa: E731
-    keys, parents, turn = cat("keys", KEY_DTYPE), cat("parents", KEY_DTYPE), cat("turns_done", np.int32)
-    usable = cat("has_ids", bool) if require_ids else np.ones(len(keys), dtype=bool)
+    keys, turn, later, parents = rows.keys, rows.turns_done, rows.later, rows.parents
+    usable = rows.has_ids if require_ids else np.ones(len(keys), dtype=bool)
+    winners = np.flatnonzero(usable)  # the first usable copy of each key wins; in key order
+    winners = winners[first_of_each(keys[winners])] if len(winners) < len(keys) else first_of_each(keys)
     first = np.zeros(len(keys), dtype=bool)
-    if usable.any():  # the first usable copy of each key wins
-        idx = np.flatnonzero(usable)
-        first[idx[first_of_each(keys[idx])]] = True
-    valid = first & (turn == 0) & wanted0.contains(keys)
+    first[winners] = True
+    valid = first & (turn == 0)
+    valid[valid] = wanted0.contains(keys[valid])
     for t in range(1, int(turn.max()) + 1 if len(turn) else 1):
-        level = first & (turn == t)
-        valid |= level & KeySet(keys[valid & (turn == t - 1)]).contains(parents)
-    has_child = KeySet(parents[valid & (turn > 0)]).contains(keys)
-    goes_on = valid & ~has_child & cat("stopped", bool) & (turn < cat("turns_total", np.int32) - 1)
+        level = turn[later] == t
+        rows_t = later[level]
+        valid[rows_t] = first[rows_t] & KeySet(keys[valid & (turn == t - 1)]).contains(parents[level])
+    has_child = KeySet(parents[valid[later]]).contains(keys)
+    goes_on = valid & ~has_child & rows.may_go_on
     duplicate = usable & ~first  # a second copy of a row kept elsewhere; anything else invalid is kept aside
-    plan = ResumePlan(valid=KeySet(keys[valid]), done0=KeySet(keys[valid & (turn == 0)]), continue_rows=[],
-                      broken=broken)
+    valid_keys = KeySet.of_distinct(keys, winners[valid[winners]])
+    started = valid & (turn > 0)
+    done0 = KeySet.of_distinct(keys, winners[(valid & ~started)[winners]]) if started.any() else valid_keys
+    plan = ResumePlan(valid=valid_keys, done0=done0, continue_rows=[], broken=broken)
     offset = 0
     for s in shards:
-        rows = slice(offset, offset + len(s.keys))
-        offset += len(s.keys)
-        _shard_actions(plan, s, valid[rows], duplicate[rows], goes_on[rows])
+        at = slice(offset, offset + s.rows)
+        offset += s.rows
+        _shard_actions(plan, s, valid[at], duplicate[at], goes_on[at])
     return plan
 
 
-def _shard_actions(plan: ResumePlan, s: ShardKeys, valid: np.ndarray, duplicate: np.ndarray, goes_on: np.ndarray):
+def _shard_actions(plan: ResumePlan, s: Shard, valid: np.ndarray, duplicate: np.ndarray, goes_on: np.ndarray):
     if goes_on.any():
         table = pq.read_table(s.path).filter(pa.array(goes_on))
         plan.continue_rows += _conform(table).to_pylist()

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from drafter_data.contract import PROMPTS, iter_batches
 from drafter_data.generation.conversation import Conversation, prompt_messages
-from drafter_data.generation.keys import KEY_DTYPE, request_key, thinking_share, turn_key
+from drafter_data.generation.keys import KEY_DTYPE, request_keys, thinking_share, turn_key
 from drafter_data.generation.store import ResumePlan
 from drafter_data.server.request import RequestSpec
 
@@ -46,23 +46,38 @@ class InputKeys:
 
 
 def input_keys(paths: list[Path], spec: RequestSpec, target: str, modes: ThinkingModes) -> InputKeys:
-    """Reads the prompt_id column only (fast over millions)."""
+    """Reads the prompt_id column only (fast over millions); builds no Python object per prompt that outlives its
+    batch."""
     identity = {True: spec.identity(target, thinking=True), False: spec.identity(target, thinking=False)}
     keys, thinking = [], []
     for batch in iter_batches(paths, columns=["prompt_id"], batch_size=65536):
-        for pid in batch.column(0).to_pylist():
-            mode = modes.of(pid)
-            thinking.append(mode)
-            keys.append(request_key(pid, identity[mode]))
-    return InputKeys(np.frombuffer(b"".join(keys), dtype=KEY_DTYPE) if keys else np.zeros(0, KEY_DTYPE),
-                     np.asarray(thinking, dtype=bool))
+        pids = batch.column(0).to_pylist()
+        if modes.ratio is None:
+            mode = np.full(len(pids), modes.default)
+            keys.append(request_keys(pids, identity[modes.default]))
+        else:
+            mode = np.fromiter((modes.of(pid) for pid in pids), dtype=bool, count=len(pids))
+            mixed = np.empty((len(pids), 16), dtype=np.uint8)
+            for m in (True, False):
+                rows = np.flatnonzero(mode == m)
+                digests = request_keys([pids[i] for i in rows], identity[m])
+                mixed[rows] = np.frombuffer(digests, dtype=np.uint8).reshape(-1, 16)
+            keys.append(mixed.tobytes())
+        thinking.append(mode)
+    return InputKeys(np.frombuffer(b"".join(keys), dtype=KEY_DTYPE),
+                     np.concatenate(thinking) if thinking else np.zeros(0, dtype=bool))
 
 
-def iter_todo(paths: list[Path], inputs: InputKeys, plan: ResumePlan, keep_reasoning: bool):
-    """The conversations with turns left, in input order: new ones from turn 0, started ones from their next turn.
-    Python rows are built only for those."""
+def not_started(inputs: InputKeys, plan: ResumePlan) -> np.ndarray:
+    """Per input prompt: no turn of it is done yet."""
+    return ~plan.done0.contains(inputs.keys)
+
+
+def iter_todo(paths: list[Path], inputs: InputKeys, fresh: np.ndarray, plan: ResumePlan, keep_reasoning: bool):
+    """The conversations with turns left, in input order: new ones (`fresh`: not_started) from turn 0, started ones
+    from their next turn. Python rows are built only for those."""
     continuing = {row["prompt_id"]: row for row in plan.continue_rows}
-    todo_mask = ~plan.done0.contains(inputs.keys)
+    todo_mask = fresh.copy()
     if continuing:
         todo_mask |= np.isin(_prompt_ids(paths), list(continuing))
     offset = 0
@@ -84,11 +99,6 @@ def resume_from(conv: Conversation, last: dict, keep_reasoning: bool) -> None:
     conv.sent = prompt_messages(last)
     answer = {"reasoning": last["reasoning"], "content": last["content"], "tool_calls": last["tool_calls"]}
     conv.advance(conv.sent, answer, keep_reasoning, turn_key(conv.key, conv.turn + 1, answer, keep_reasoning))
-
-
-def count_todo(inputs: InputKeys, plan: ResumePlan) -> tuple[int, int]:
-    """(conversations not started, conversations to continue)."""
-    return int((~plan.done0.contains(inputs.keys)).sum()), len(plan.continue_rows)
 
 
 def _columns(path: Path) -> list[str]:
