@@ -1,8 +1,11 @@
 """Where a stage's configuration comes from: params.yaml (under DVC), or conf/ plus overrides (by hand)."""
 from __future__ import annotations
 
+import atexit
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -65,8 +68,21 @@ def run_stage(main) -> None:
         code = main(cfg)
     except StageError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        code = 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code or 0)
+        code = 130
+    exit_without_teardown(code or 0)
+
+
+def exit_without_teardown(code: int) -> None:
+    """Exits as the interpreter would (other threads finished, exit handlers run, streams flushed) but skips its
+    teardown, which collects every object of every module loaded (mlflow, pyarrow, pandas: ~0.8 s, measured)."""
+    threading._shutdown()  # what the interpreter does first: wakes idle executor threads, joins non-daemon ones
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
+    os._exit(code)
