@@ -235,6 +235,13 @@ class StageRun:
         self._send_pending()
         self._wait()
 
+    def settle(self, max_s: float) -> None:
+        """Waits up to max_s for the calls so far (opening the run: importing MLflow takes ~2.5 s of CPU). Its thread
+        shares the interpreter lock with the stage: a stage about to run a hot loop lets it finish first."""
+        done = threading.Event()
+        self._submit(done.set)
+        done.wait(max_s)
+
     def artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
         """Uploads a file; returns once it is uploaded or failed (bounded), so the file may be removed after."""
         self._submit(self._upload, str(path), artifact_path)

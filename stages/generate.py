@@ -67,6 +67,7 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     fresh = not_started(inputs, plan)
     total = report_resume(inputs, fresh, plan)
     runner = Runner(spec, settings, pool, store, errors, run, assessed)
+    run.settle(max_s=10)  # MLflow's start-up, done before the request loop rather than inside it
     ended_by = None
     try:
         await runner.run_all(iter_todo(prompts, inputs, fresh, plan, settings.keep_reasoning), total)
