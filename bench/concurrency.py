@@ -9,7 +9,7 @@ the whole request phase (output tok/s in run.json: the climb included) and the s
 produced from STEADY_FROM_S to STEADY_TO_S after the stage started, the same window for every run). Goals: auto
 >= 0.95x the best fixed level; within 10% of it after the knee moved.
 
-    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 800]
+    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 800] [--moved-only]
 """
 from __future__ import annotations
 
@@ -100,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--knee", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=800)
+    parser.add_argument("--moved-only", action="store_true", help="only the moved knee (about 6 minutes)")
     args = parser.parse_args()
     knee, n = args.knee, args.prompts
     server, root = start_server({**SERVER, "knee": knee})
@@ -107,6 +108,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp:
             tmp = Path(tmp)
             print(f"knee at {knee} in flight (unknown to the stage); {n} prompts per run", flush=True)
+            if args.moved_only:
+                return moved_knee(root, tmp, knee, n, assessment(tmp, root, 16 if knee < 16 else 4, 0.0))
             fixed = sweep(root, tmp, [knee // 3, knee // 2, knee - 2, knee, knee + 2, 2 * knee], n, "k1-")
             # what assess's default sweep [1, 4, 16] would report as best: a level past the knee
             start = assessment(tmp, root, 16 if knee < 16 else 4, fixed[2 * knee][0])

@@ -73,6 +73,19 @@ def test_follows_a_knee_that_moves_mid_run():
     assert mean_rate(server, levels[300:]) >= 0.9 * best
 
 
+def test_a_knee_that_moves_up_is_climbed_to_quickly():
+    """Past a knee that moved up, tok/s grows in proportion to the level again: the search strides out instead of
+    creeping up by the small steps it had settled to, and a stride that lands past the new knee is followed by one
+    halfway back, not by the level it came from."""
+    server, clock = KneeServer(knee=12), [0.0]
+    controller = make(16, clock)
+    simulate(controller, server, 60, clock)
+    server.knee = 24
+    levels = simulate(controller, server, 60, clock)
+    best = max(server.tokens_per_s(level) for level in range(1, 257))
+    assert mean_rate(server, levels[10:]) >= 0.9 * best, levels
+
+
 def first_within(server: KneeServer, levels: list[int], share: float = 0.9) -> int:
     best = max(server.tokens_per_s(level) for level in range(1, 257))
     return next(i for i, level in enumerate(levels) if server.tokens_per_s(level) >= share * best)

@@ -10,9 +10,13 @@ enough work to fill the level (the end of the input), nothing is decided.
 How the level moves: a pattern search around the best level known, in log steps. A cycle measures the best level
 again (so a knee that moves is noticed), then its neighbour one step away in the direction that last paid off, then
 the other neighbour. A neighbour that beats the best by more than NOISE (the lower one: that is no worse than it by
-more than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best and the
-step grows by half (towards 2x: a far-off start or a knee that moved is reached in a few cycles); when neither does, the step halves,
-down to MIN_STEP, so the level ends up spending its time at the best and one small step either side of it. When
+more than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best, and the
+step follows the curve's shape: going up, while tok/s grew about in proportion to the level (elasticity > 0.8: the
+knee is well above, or moved up) it strides out at least SHIFT_STEP, and once it grew much less (< 0.5: the curve
+bends near the knee) it halves; otherwise it grows by half (towards 2x). After a move, a probe further on that fails
+is followed by one halfway back, not by the other side (where the best came from, known worse). When neither
+neighbour pays, the step halves, down to MIN_STEP, so the level ends up spending its time at the best and one small
+step either side of it. When
 the best level, measured again, is more than SHIFT off its last figure, the server has changed (a filling KV cache
 moves the knee down): the step grows back to SHIFT_STEP, towards where the change points. The search starts from the
 assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a level
@@ -39,7 +43,7 @@ class LevelController:
     high: int
     step: float = MAX_STEP
     direction: int = 1  # the side probed first
-    min_window_s: float = 3.0
+    min_window_s: float = 2.0
     clock: object = time.monotonic
     history: list = field(default_factory=list)  # (time, level, tokens/s) per measured level
     best: int = 0
@@ -51,6 +55,7 @@ class LevelController:
     _requests: int = 0
     _in_flight: list = field(default_factory=list)
     _settled: bool = True
+    _arrived: bool = False  # the best level was just reached from the other side
 
     def __post_init__(self):
         self.level = self.best = self._clamp(self.level)
@@ -97,6 +102,7 @@ class LevelController:
 
     def _next_level(self, rate: float) -> int:
         if self._phase == "best":
+            self._arrived = False
             if self.best_rate and abs(rate / self.best_rate - 1) > SHIFT:
                 # the best level itself got much slower (the KV cache filled: the knee moved down) or faster: look
                 # far again, first towards where the change points
@@ -108,14 +114,29 @@ class LevelController:
         if rate > self.best_rate * (1 + NOISE) or (below and rate >= self.best_rate * (1 - NOISE / 2)):
             # a better level: move there, stride out the same way
             self.direction = -1 if below else 1
-            self.best, self.best_rate = self.level, rate
-            self.step = min(MAX_STEP, self.step * 1.5)
+            self.step = self._stride(rate, below)
+            self.best, self.best_rate, self._arrived = self.level, rate, True
             return self._probe("first", self.direction)
         if self._phase == "first":
+            if self._arrived:  # the other side is where the best came from, known worse: look between instead
+                self.step = max(MIN_STEP, self.step / 2)
+                return self._probe("second", self.direction)
             return self._probe("second", -self.direction)
         self.step = max(MIN_STEP, self.step / 2)  # neither side pays: look closer
         self._phase = "best"
         return self.best
+
+    def _stride(self, rate: float, below: bool) -> float:
+        """The next step after a better level: longer while tok/s still grows about in proportion to the level (the
+        flat part of a request's time: far from the knee), shorter once it grows much less (the curve bends: the
+        knee is near, and a long stride would land past it, where measuring is slow)."""
+        if not below and self.level > self.best:
+            elasticity = math.log(rate / self.best_rate) / math.log(self.level / self.best)
+            if elasticity < 0.5:
+                return max(MIN_STEP, self.step / 2)
+            if elasticity > 0.8:  # tok/s grew with the level: the knee is well above (or moved up)
+                return min(MAX_STEP, max(self.step * 1.5, SHIFT_STEP))
+        return min(MAX_STEP, self.step * 1.5)
 
     def _probe(self, phase: str, direction: int) -> int:
         """The neighbour of the best one step towards `direction` (at a bound: the other side)."""
