@@ -13,8 +13,9 @@ the other neighbour. A neighbour that beats the best by more than NOISE (the low
 more than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best, and the
 step follows the curve's shape: going up, while tok/s grew about in proportion to the level (elasticity > 0.8: the
 knee is well above, or moved up) it strides out at least SHIFT_STEP, and once it grew much less (< 0.5: the curve
-bends near the knee) it halves; otherwise it grows by half (towards 2x). After a move, a probe further on that fails
-is followed by one halfway back, not by the other side (where the best came from, known worse). When neither
+bends near the knee) it halves, in between it stays; going down it grows by half (towards 2x). After a stride, a
+probe further on that fails is followed by one halfway back, not by the other side (where the best came from, known
+worse). When neither
 neighbour pays, the step halves, down to MIN_STEP, so the level ends up spending its time at the best and one small
 step either side of it. When
 the best level, measured again, is more than SHIFT off its last figure, the server has changed (a filling KV cache
@@ -118,9 +119,12 @@ class LevelController:
             self.best, self.best_rate, self._arrived = self.level, rate, True
             return self._probe("first", self.direction)
         if self._phase == "first":
-            if self._arrived:  # the other side is where the best came from, known worse: look between instead
+            if self._arrived and self.step > MIN_STEP:  # the other side is where the best came from, known worse:
+                # look between instead (unless between is where it just looked)
                 self.step = max(MIN_STEP, self.step / 2)
-                return self._probe("second", self.direction)
+                level = self._probe("second", self.direction)
+                if level != self.level:
+                    return level
             return self._probe("second", -self.direction)
         self.step = max(MIN_STEP, self.step / 2)  # neither side pays: look closer
         self._phase = "best"
@@ -136,6 +140,7 @@ class LevelController:
                 return max(MIN_STEP, self.step / 2)
             if elasticity > 0.8:  # tok/s grew with the level: the knee is well above (or moved up)
                 return min(MAX_STEP, max(self.step * 1.5, SHIFT_STEP))
+            return self.step
         return min(MAX_STEP, self.step * 1.5)
 
     def _probe(self, phase: str, direction: int) -> int:
