@@ -28,6 +28,11 @@ from bench._common import REPO, SHARED, run_measured  # noqa: E402
 
 KIMI = SHARED / "fixtures" / "kimi-k2-tokenizer"
 WORKERS = 2
+# The stage runs under this small launcher, which reports the stage's own peak RSS: a child's ru_maxrss starts from
+# its parent's at fork, and this process holds every row (it would report its own size, however the stage does).
+LAUNCHER = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+            "print(f'stage peak RSS kB: {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}', file=sys.stderr); "
+            "sys.exit(code)")
 
 
 def build_rows(n: int) -> list[dict]:
@@ -84,9 +89,16 @@ def write_completions(rows: list[dict], directory: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from drafter_data.contract import COMPLETIONS
+
     directory.mkdir()
     for k in range(0, len(rows), 5000):
-        pq.write_table(pa.Table.from_pylist(rows[k:k + 5000]), directory / f"completions-{k // 5000:05d}.parquet")
+        table = pa.Table.from_pylist(rows[k:k + 5000])
+        for name in ("prompt_token_ids", "completion_token_ids"):  # as generate stores them (not Python's int64)
+            if name in table.column_names:
+                table = table.set_column(table.schema.get_field_index(name), name,
+                                         table[name].cast(COMPLETIONS.field(name).type))
+        pq.write_table(table, directory / f"completions-{k // 5000:05d}.parquet")
 
 
 def raw_tokens_per_s(conv, texts: list[str]) -> tuple[float, float]:
@@ -99,12 +111,15 @@ def raw_tokens_per_s(conv, texts: list[str]) -> tuple[float, float]:
 
 def run_stage(tmp: Path, run: int, env: dict) -> dict:
     out = tmp / f"out{run}"
-    stage = run_measured([sys.executable, "-m", "stages.tokenize", "target=kimi-k2.6", f"target.tokenizer_dir={KIMI}",
+    stage = run_measured([sys.executable, "-c", LAUNCHER, sys.executable, "-m", "stages.tokenize", "target=kimi-k2.6",
+                          f"target.tokenizer_dir={KIMI}",
                           f"tokenize.input={tmp / 'in'}", f"tokenize.output={out}", f"tokenize.workers={WORKERS}",
                           "tokenize.max_length=100000"], env=env)
     meta = json.loads((out / "meta.json").read_text())
     window = float(re.search(r"throughput: .* over ([\d.]+) s of tokenizing", stage["stderr"]).group(1))
-    return {**stage, "tokens": meta["tokens"], "window_s": window, "drift": meta["drift"]}
+    peak_kb = float(re.search(r"stage peak RSS kB: (\d+)", stage["stderr"]).group(1))
+    return {**stage, "tokens": meta["tokens"], "window_s": window, "drift": meta["drift"],
+            "peak_rss_mb": peak_kb / 1024}
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import threading
 from collections import Counter
@@ -52,12 +53,15 @@ def main(cfg) -> int:
         settings["server_root"] = root
         init_worker(settings)  # here first: a missing file fails once, clearly, before any worker starts
         tasks = plan_tasks(in_paths, out_dir, settings)
-        # workers are forked before MLflow's thread starts; the run is opened (and mlflow imported) while they work
+        # workers are forked before MLflow's thread starts (they start with the tokenizer loaded); MLflow's start-up
+        # (~2.5 s of CPU) is then let finish before the tasks go out, so it does not take the workers' cores
         with task_map(int(tcfg.get("workers") or 1), root is not None, len(tasks)) as map_tasks, \
                 stage_run("tokenize", cfg) as run:
-            preload_plotting()
+            run.settle(max_s=10)
+            plotting = preload_plotting()
             counts, lengths = tokenize_all(map_tasks, tasks, settings["max_length"])
             shutil.rmtree(out_dir / ".conversations", ignore_errors=True)
+            plotting.join()  # a module half imported by another thread cannot be used
             finish(cfg, run, metadata(cfg, settings, worker_conversation(), counts), throughput(counts), lengths)
     return 0
 
@@ -154,9 +158,11 @@ def tokenize_all(map_tasks, tasks: list, max_length: int) -> tuple[Counter, Leng
     return counts, lengths
 
 
-def preload_plotting() -> None:
+def preload_plotting() -> threading.Thread:
     """matplotlib (about a second to import) in the background while the workers run, for the length plot."""
-    threading.Thread(target=lambda: __import__("matplotlib.pyplot"), daemon=True).start()
+    thread = threading.Thread(target=lambda: __import__("matplotlib.pyplot"), daemon=True)
+    thread.start()
+    return thread
 
 
 @contextmanager
@@ -170,9 +176,18 @@ def task_map(workers: int, server_kind: bool, n_tasks: int):
         return
     fork = "fork" in get_all_start_methods()
     context = get_context("fork" if fork else "spawn")
-    options = {} if fork else {"initializer": init_worker, "initargs": (worker_settings_loaded(),)}
-    with context.Pool(min(workers, n_tasks), **options) as pool:
+    initargs = (None if fork else worker_settings_loaded(),)
+    with context.Pool(min(workers, n_tasks), initializer=start_worker, initargs=initargs) as pool:
         yield pool.imap_unordered
+
+
+def start_worker(settings: dict | None) -> None:
+    """A worker dies at once on the pool's SIGTERM (sent at the end, once every shard is written): a forked one would
+    inherit run_stage's handler, whose SystemExit unwinds through the worker's shutdown and can hang there on a lock,
+    holding up the stage's exit for good."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if settings is not None:
+        init_worker(settings)
 
 
 if __name__ == "__main__":

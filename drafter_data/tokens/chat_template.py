@@ -73,6 +73,7 @@ def compile_template(source: str) -> jinja2.Template:
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        self.source = source
         self.sha256 = hashlib.sha256(source.encode()).hexdigest()
         self._template = compile_template(source)
         self._specials = dict(special_tokens or {})

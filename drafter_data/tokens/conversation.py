@@ -14,6 +14,7 @@ import numpy as np
 from drafter_data.errors import StageError
 from drafter_data.tokens.chat_template import ChatTemplate
 from drafter_data.tokens.kimi_tools import sort_keys_deep, tools_ts_str
+from drafter_data.tokens.render_cache import RenderCache
 from drafter_data.tokens.tokenizers import load_tokenizer
 
 TOOL_DECLARATIONS = (None, "kimi_typescript")
@@ -61,6 +62,7 @@ class ConversationTokenizer:
         self.kwargs = dict(chat_kwargs)
         self.tool_declarations = declarations
         self._end_of_turn: dict[bool, tuple[str, np.ndarray]] = {}
+        self._renders = RenderCache(self._render_with, self.template.source)
 
     def kwargs_for(self, thinking: bool | None) -> dict:
         return self.kwargs if thinking is None else {**self.kwargs, self.thinking_kwarg: bool(thinking)}
@@ -77,6 +79,15 @@ class ConversationTokenizer:
                thinking: bool | None = None) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt,
                                     **self.tool_kwargs(tools), **self.kwargs_for(thinking))
+
+    def _render_with(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def prompt_and_full(self, messages: list[dict], answer: dict, tools=None, thinking: bool | None = None
+                        ) -> tuple[str, str]:
+        """(messages rendered with the generation prompt, messages + answer rendered): what `render` gives for each,
+        pasted from the render cache where the row's shape is trusted (see render_cache)."""
+        return self._renders.texts(messages, answer, {**self.tool_kwargs(tools), **self.kwargs_for(thinking)})
 
     def prompt_ids(self, messages: list[dict], tools=None, thinking: bool | None = None) -> list[int]:
         """The prompt as the server sees it when asked to answer `messages`."""

@@ -222,15 +222,17 @@ class ShardWriter:
 
 def input_turns(pieces: list[tuple[str, int | None]], settings: dict):
     """The turns of one task, in batches: row groups of completions shards (per_turn), or a partition file sorted by
-    conversation (conversation)."""
+    conversation (conversation). Read on this thread: the workers already take the cores."""
     for path, row_group in pieces:
         file = pq.ParquetFile(path)
         columns = [c for c in COLUMNS if c in file.schema_arrow.names]
         if row_group is None:
-            table = file.read(columns=columns).sort_by([("prompt_id", "ascending"), ("turn", "ascending")])
+            table = file.read(columns=columns, use_threads=False).sort_by([("prompt_id", "ascending"),
+                                                                           ("turn", "ascending")])
             batches = table.to_batches(max_chunksize=settings["shard_rows"])
         else:
-            batches = file.iter_batches(batch_size=settings["shard_rows"], row_groups=[row_group], columns=columns)
+            batches = file.iter_batches(batch_size=settings["shard_rows"], row_groups=[row_group], columns=columns,
+                                        use_threads=False)
         for batch in batches:
             yield from turns_from_batch(batch, settings["thinking"])
 

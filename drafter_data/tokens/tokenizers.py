@@ -114,6 +114,7 @@ class KimiTokenizer:
         added = sorted((s for s in named.values() if s not in self.literal_specials), key=len, reverse=True)
         self._added_re = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         self._added_ids = {s: self.specials[s] for s in added}
+        self._added_endings = tuple(added)
         self.think_end_id = self.specials.get("</think>")
 
     @property
@@ -158,13 +159,18 @@ class KimiTokenizer:
         """(ids of text[:pos], ids of text[pos:]). Where text[:pos] ends with a named added token (a generation
         prompt does), the reference splits there anyway: one call over the whole text, cut after the same number of
         that token's ids as its spelling occurs before pos (each spelling is exactly one id)."""
-        head = text[:pos]
-        end = next((s for s in self._added_ids if head.endswith(s)), None) if pos else None
+        end = self._added_token_ending(text, pos)
         if end is None:
-            return self.encode_chat_np(head), self.encode_chat_np(text[pos:])
+            return self.encode_chat_np(text[:pos]), self.encode_chat_np(text[pos:])
         ids = self.encode_chat_np(text)
-        cut = int(np.flatnonzero(ids == self._added_ids[end])[head.count(end) - 1]) + 1
+        cut = int(np.flatnonzero(ids == self._added_ids[end])[text.count(end, 0, pos) - 1]) + 1
         return ids[:cut], ids[cut:]
+
+    def _added_token_ending(self, text: str, pos: int) -> str | None:
+        """The named added token text[:pos] ends with (the longest), if any; without copying text[:pos]."""
+        if not pos or not text.endswith(self._added_endings, 0, pos):
+            return None
+        return next(s for s in self._added_ids if text.endswith(s, 0, pos))
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)

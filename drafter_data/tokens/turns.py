@@ -68,8 +68,7 @@ def answer_message(turn: Turn) -> dict:
 
 def turn_texts(conv: ConversationTokenizer, turn: Turn) -> tuple[str, str]:
     """(the prompt as sent, the answer as the target produced it), both in the template's own text."""
-    prompt = conv.render(turn.messages, turn.tools, add_generation_prompt=True, thinking=turn.thinking)
-    full = conv.render(turn.messages + [answer_message(turn)], turn.tools, thinking=turn.thinking)
+    prompt, full = conv.prompt_and_full(turn.messages, answer_message(turn), turn.tools, turn.thinking)
     if not full.startswith(prompt):
         raise Dropped("prefix_mismatch")
     answer = full[len(prompt):]
