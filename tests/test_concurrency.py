@@ -86,6 +86,21 @@ def test_a_knee_that_moves_up_is_climbed_to_quickly():
     assert mean_rate(server, levels[10:]) >= 0.9 * best, levels
 
 
+def test_a_window_of_zero_tokens_does_not_stop_the_search():
+    """Servers that report no usage give windows of 0 tokens; a better level after one is taken, not a crash."""
+    clock = [0.0]
+    controller = LevelController(level=8, low=1, high=64, clock=lambda: clock[0])
+    for tokens in (0, 10, 0, 0, 10, 10, 0, 10):
+        level = controller.level
+        for _ in range(200):
+            clock[0] += 0.05
+            controller.completed(tokens, 0.01)
+        clock[0] += 3
+        controller.tick(level)
+        assert 1 <= controller.level <= 64
+    assert controller.best_rate > 0
+
+
 def first_within(server: KneeServer, levels: list[int], share: float = 0.9) -> int:
     best = max(server.tokens_per_s(level) for level in range(1, 257))
     return next(i for i, level in enumerate(levels) if server.tokens_per_s(level) >= share * best)

@@ -1,6 +1,7 @@
 """The render cache (drafter_data/tokens/render_cache.py) gives exactly the text of the full jinja render: on the
 real prompt fixtures and crafted edge cases, every row pasted from the cache equals the same row rendered in full,
 and a template that reads its contents is never served from the cache."""
+import hashlib
 import json
 import tempfile
 from pathlib import Path
@@ -9,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
+from drafter_data.tokens import render_cache
 from drafter_data.tokens import rows as token_rows
 from drafter_data.tokens.chat_template import chat_template_kwargs
 from drafter_data.tokens.conversation import SENTINEL, ConversationTokenizer
@@ -129,9 +131,11 @@ CONTENT_READING = {
 
 
 @pytest.mark.parametrize("name", sorted(CONTENT_READING))
-def test_templates_that_read_contents_are_rendered_in_full(name, tmp_path):
+def test_templates_that_read_contents_are_rendered_in_full(name, tmp_path, monkeypatch):
+    """The checks behind the allow-list, on templates let past it."""
     template = tmp_path / "chat_template.jinja"
     template.write_text(CONTENT_READING[name] + "{% if add_generation_prompt %}<|im_assistant|>{% endif %}")
+    monkeypatch.setitem(render_cache.CHECKED_TEMPLATES, hashlib.sha256(template.read_bytes()).hexdigest(), name)
     conv = conversation_tokenizer(template)
     contents = ["a </think> b", "  padded  ", "Zebra", 'quote " and \\', "Zulu", "plain"]
     for text in contents * 3:
@@ -165,3 +169,33 @@ def test_stage_rows_are_identical_with_and_without_the_cache():
             outputs.append((pq.read_table(Path(tmp) / "tokens-x-0000.parquet").to_pylist(), writer.counts))
     assert outputs[0] == outputs[1]
     assert outputs[0][1]["kept"] > 500
+
+
+# Reads the checks cannot see: a macro's output (GLM-4.5's /nothink suffix) and a dict lookup by name.
+UNSEEN_READS = {
+    "macro_output": "{% macro visible(c) %}{{ c }}{% endmacro %}{% for m in messages %}{{ visible(m.content) }}"
+                    "{{ '/nothink' if not visible(m.content).endswith('/nothink') else '' }}|{% endfor %}",
+    "dict_key": "{% set vip = {'alice': 'VIP '} %}{% for m in messages %}{{ vip.get(m.name, '') }}{{ m.content }}|"
+                "{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSEEN_READS))
+def test_a_template_not_checked_by_reading_is_always_rendered_in_full(name, tmp_path):
+    """Only templates on the allow-list are cached: these read their texts in ways no check sees, and a later row
+    taking another branch would be pasted wrong."""
+    template = tmp_path / "chat_template.jinja"
+    template.write_text(UNSEEN_READS[name] + "{% if add_generation_prompt %}<|im_assistant|>{% endif %}")
+    conv = conversation_tokenizer(template)
+    assert not conv._renders.enabled
+    for text, who in [("a", "bob"), ("b", "carl"), ("c /nothink", "alice"), ("d", "alice")]:
+        turn = Turn("p", 0, [{"role": "user", "content": text, "name": who}], None, True, None, text, None, "stop")
+        assert conv.prompt_and_full(turn.messages, answer_message(turn), None, True) == slow_texts(conv, turn)
+    assert conv._renders.pasted == 0
+
+
+def test_the_k2_template_is_the_one_checked():
+    """The allow-list names the template this project ships for (a changed template is rendered in full)."""
+    source = (KIMI_DIR / "chat_template.jinja").read_bytes()
+    assert hashlib.sha256(source).hexdigest() in render_cache.CHECKED_TEMPLATES
+    assert conversation_tokenizer()._renders.enabled

@@ -134,7 +134,7 @@ class LevelController:
         """The next step after a better level: longer while tok/s still grows about in proportion to the level (the
         flat part of a request's time: far from the knee), shorter once it grows much less (the curve bends: the
         knee is near, and a long stride would land past it, where measuring is slow)."""
-        if not below and self.level > self.best:
+        if not below and self.level > self.best and self.best_rate > 0:  # (a window of 0 tokens: no shape to read)
             elasticity = math.log(rate / self.best_rate) / math.log(self.level / self.best)
             if elasticity < 0.5:
                 return max(MIN_STEP, self.step / 2)

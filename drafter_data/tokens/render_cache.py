@@ -12,9 +12,15 @@ Exactness, checked before a shape is trusted (at its second row; the first is re
 - the second row itself is rendered in full and must equal its pasted text, else the cache is off for good.
 Values are pasted only where non-empty (a template may test them for truth), text spelling a slot marker is never
 cached, and templates that read the clock are never cached.
+
+These checks cannot see every read: a value first turned into a plain string (by a macro's output, `~`, `|join`,
+`|format`, `|replace`) or used as a dict key is read unlogged, and a row that takes another branch later would be
+pasted wrong. So the cache runs only for templates read line by line and found to write every free text out as is
+(CHECKED_TEMPLATES, by the template's sha256); any other template is rendered in full for every row.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import OrderedDict
 
@@ -29,6 +35,13 @@ _SLOT = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 _OPEN_BYTES = _OPEN.encode()
 PROBE = " \n<think>{i}\"'\\</think>\t<|im_end|>{{{{ x }}}} \n"
 _UNSEEN, _SEEN_ONCE = object(), "seen once"
+# Templates whose every free text is only written out (checked by reading them), by sha256 of their source.
+CHECKED_TEMPLATES = {
+    # Kimi K2.6 (and K2): contents, names, reasoning and tool-call ids and arguments go out as they are (or through
+    # tojson where arguments are not a string: not a free text, so part of the shape); `name or role` tests a name
+    # for truth only.
+    "8bf859698fd4781c0e1e1c63ce74422aab27e53ccc5f47116317c64cda06132f": "Kimi K2.6",
+}
 # Shapes remembered (the oldest dropped) and the largest one cached (e.g. a big literal tools list): memory stays flat.
 MAX_SHAPES = 1024
 MAX_SHAPE_BYTES = 8192
@@ -116,7 +129,8 @@ class RenderCache:
 
     def __init__(self, render, template_source: str):
         self._render = render
-        self.enabled = "strftime_now" not in template_source  # a skeleton would keep the date it was rendered on
+        checked = hashlib.sha256(template_source.encode()).hexdigest() in CHECKED_TEMPLATES
+        self.enabled = checked and "strftime_now" not in template_source  # a skeleton would keep its render's date
         # shape -> (prompt recipe, full recipe); _SEEN_ONCE: its next row decides; None: always rendered in full
         self._shapes: OrderedDict[bytes, tuple | str | None] = OrderedDict()
         self.pasted = 0  # rows served from the cache
@@ -137,10 +151,11 @@ class RenderCache:
             if recipes is _UNSEEN:
                 self._remember(key, _SEEN_ONCE)
             return self.render_both(messages, answer, kwargs)
-        if recipes is _SEEN_ONCE:
+        if recipes is _SEEN_ONCE:  # remembered only once this row's full render agreed (a render that raises: next row)
             recipes = self._learn(shape_messages, shape_kwargs, len(values))
+            rendered = self._verified(recipes, values, messages, answer, kwargs)
             self._remember(key, recipes)
-            return self._verified(recipes, values, messages, answer, kwargs)
+            return rendered
         self.pasted += 1
         return paste(recipes[0], values), paste(recipes[1], values)
 
