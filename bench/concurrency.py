@@ -142,12 +142,17 @@ def moved_knee(root: str, tmp: Path, knee: int, n: int, start: Path) -> None:
 
     mover = threading.Thread(target=move_knee_later)
     mover.start()
+    t0 = time.time()
     run_stage(root, tmp, "moving", 3 * n, "generation.concurrency=auto", f"generate.assessment={start}")
     mover.join()
+    print(f"  the knee moved {marks['moved'] - t0:.0f} s after the stage started", flush=True)
     rate = tokens_between(root, marks["moved"] + 10, marks["moved"] + 30)
     best_level, best = max(fixed.items(), key=lambda kv: kv[1])
     print(f"knee moved {knee} -> {2 * knee} mid-run: auto {rate:.1f} tok/s from 10 to 30 s after the move = "
           f"{rate / best:.2f}x the best fixed level for the new knee ({best_level}: {best:.1f})", flush=True)
+    summary = json.loads((tmp / "out-moving" / "run.json").read_text())
+    for levels in summary.get("concurrency_levels", {}).values():  # [seconds into the request phase, level, tok/s]
+        print("  levels measured (s, level, tok/s): " + ", ".join(f"{t:.0f}:{lv}:{r:.0f}" for t, lv, r in levels))
 
 
 if __name__ == "__main__":
