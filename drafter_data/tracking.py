@@ -209,6 +209,7 @@ class StageRun:
         self._last_step = 0
         self._reported = False
         self._stalled = False  # MLflow did not answer within WAIT_S once: the stage waits for it no more
+        self.stopped_by_signal = False  # a stage that ends by itself after Ctrl-C/SIGTERM: the run is KILLED
         self._thread = threading.Thread(target=self._work, name=f"mlflow-{stage}", daemon=True)
         self._thread.start()
 
@@ -332,7 +333,7 @@ def stage_run(stage: str, cfg: DictConfig):
     status = "FAILED"
     try:
         yield run
-        status = "FINISHED"
+        status = "KILLED" if run.stopped_by_signal else "FINISHED"
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM (config.run_stage turns it into SystemExit)
         status = "KILLED"
         raise

@@ -87,6 +87,7 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
                          f"moved to {store.quarantine_dir} ({store.lost[0][0]}: {store.lost[0][1]}); their prompts "
                          f"are missing from {g.output}: re-run generate to make them again")
     if runner.signal is not None:
+        run.stopped_by_signal = True
         return 128 + int(runner.signal or signal.SIGINT)
     return 0
 

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -137,8 +138,19 @@ def test_sigterm_stops_writes_what_finished_and_exits_nonzero(run_stage, fake_se
     # every answer the server had finished, and those in flight (given the grace period), were written although
     # shard_rows was never reached; no new request was sent after the signal
     assert served_at_kill <= len(first) == served() < 200, proc.stderr.read()
+    assert mlflow_statuses(mlflow_uri, tmp_path / "out") == ["KILLED"]
     run_stage("generate", *args)
     check_exactly_once(prompts, tmp_path / "out")
+    assert sorted(mlflow_statuses(mlflow_uri, tmp_path / "out")) == ["FINISHED", "KILLED"]
+
+
+def mlflow_statuses(uri: str, out: Path) -> list[str]:
+    """The status of each MLflow run of generate into `out`."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return [r.info.status for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+            if r.data.params.get("generate.output") == str(out)]
 
 
 def test_changed_generation_params_do_not_reuse_old_rows(run_stage, fake_server, tmp_path):
