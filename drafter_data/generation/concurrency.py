@@ -34,6 +34,7 @@ MIN_STEP = math.log(1.06)
 MAX_STEP = math.log(2.0)
 NOISE = 0.03  # relative throughput difference read as a real change
 SHIFT, SHIFT_STEP = 0.3, math.log(1.5)  # the best level re-measured this much off: the server changed; step again
+RECENT = 6  # windows whose measurements bound a stride (a knee that moves is re-measured within a few)
 MAX_WINDOW_S = 15.0  # past this, half a level's worth of requests is enough (a level far past the knee is slow)
 
 
@@ -133,15 +134,23 @@ class LevelController:
     def _stride(self, rate: float, below: bool) -> float:
         """The next step after a better level: longer while tok/s still grows about in proportion to the level (the
         flat part of a request's time: far from the knee), shorter once it grows much less (the curve bends: the
-        knee is near, and a long stride would land past it, where measuring is slow)."""
+        knee is near, and a long stride would land past it, where measuring is slow). It never reaches past halfway
+        to a level further on that measured worse in the last RECENT windows."""
+        step = min(MAX_STEP, self.step * 1.5)
         if not below and self.level > self.best and self.best_rate > 0:  # (a window of 0 tokens: no shape to read)
             elasticity = math.log(rate / self.best_rate) / math.log(self.level / self.best)
             if elasticity < 0.5:
-                return max(MIN_STEP, self.step / 2)
-            if elasticity > 0.8:  # tok/s grew with the level: the knee is well above (or moved up)
-                return min(MAX_STEP, max(self.step * 1.5, SHIFT_STEP))
-            return self.step
-        return min(MAX_STEP, self.step * 1.5)
+                step = self.step / 2
+            elif elasticity > 0.8:  # tok/s grew with the level: the knee is well above (or moved up)
+                step = min(MAX_STEP, max(self.step * 1.5, SHIFT_STEP))
+            else:
+                step = self.step
+        further = [lv for _, lv, r in self.history[-RECENT:] if r < rate and (lv < self.level if below
+                                                                              else lv > self.level)]
+        if further:
+            nearest = max(further) if below else min(further)
+            step = min(step, abs(math.log(nearest / self.level)) / 2)
+        return max(MIN_STEP, step)
 
     def _probe(self, phase: str, direction: int) -> int:
         """The neighbour of the best one step towards `direction` (at a bound: the other side)."""
