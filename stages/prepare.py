@@ -19,7 +19,7 @@ from drafter_data.config import run_stage
 from drafter_data.errors import StageError
 from drafter_data.prompts import formats
 from drafter_data.prompts.accounts import Accounts
-from drafter_data.prompts.normalize import normalize_sources
+from drafter_data.prompts.normalize import normalize_sources, pass1_pool, pass1_units
 from drafter_data.outputs import fresh_output_dir
 from drafter_data.prompts.prompt import MODES
 from drafter_data.prompts.selection import choose, write_chosen
@@ -35,23 +35,26 @@ def main(cfg) -> int:
         raise StageError(f"prepare.turns must be one of {', '.join(MODES)}, got {pcfg.get('turns')!r}")
     inputs = {f"the prompt file of source {s['name']!r}": s["path"] for s in sources}
     out_dir = fresh_output_dir(Path(pcfg.output), "prepare.output", inputs, OUTPUT_MARKERS)
-    # the MLflow run opens now, on a thread of its own (imports and store: ~2.5 s of CPU while the prompts are
-    # read), so an interrupted or failed prepare shows as KILLED or FAILED; closing it waits for that thread
-    with stage_run("prepare", cfg) as run:
-        stats = select_prompts(sources, cfg, out_dir)
+    units = pass1_units(sources, pcfg)
+    # workers first (forked before any thread starts); then the MLflow run opens, on a thread of its own (imports
+    # and store: ~2.5 s of CPU while the prompts are read), so an interrupted or failed prepare shows as KILLED or
+    # FAILED; closing it waits for that thread
+    with pass1_pool(sources, units, pcfg) as pool, stage_run("prepare", cfg) as run:
+        stats = select_prompts(sources, units, pool, cfg, out_dir)
         print_summary(stats, out_dir)
         log_run(run, stats, out_dir)
     return 0
 
 
-def select_prompts(sources: list[dict], cfg, out_dir: Path) -> dict:
-    """Pass 1, dedupe and sampling, pass 2; writes stats.json and returns it."""
+def select_prompts(sources: list[dict], units: list[dict], pool, cfg, out_dir: Path) -> dict:
+    """Pass 1 over `units` (in `pool`, or here when None), dedupe and sampling, pass 2; writes stats.json and
+    returns it."""
     pcfg = cfg.prepare
     tmp_dir = out_dir / ".pass1"
     tmp_dir.mkdir()
     acc = Accounts([s["name"] for s in sources], out_dir / "rejects.jsonl")
     try:
-        digests, source_of = normalize_sources(sources, cfg, tmp_dir, acc)
+        digests, source_of = normalize_sources(units, pool, cfg, tmp_dir, acc)
         keep = choose(digests, source_of, sources, pcfg.get("sample"), int(pcfg.get("seed") or 0), acc)
         write_chosen(tmp_dir, keep, out_dir, int(pcfg.get("shard_rows") or 100000))
     finally:

@@ -7,8 +7,10 @@ made relative to the whole file again.
 """
 from __future__ import annotations
 
+import signal
 from collections import Counter
-from multiprocessing import get_context
+from contextlib import contextmanager
+from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import numpy as np
@@ -45,21 +47,41 @@ def plan_units(sources: list[dict], split_bytes: int, max_record_bytes: int) -> 
     return units
 
 
-def normalize_sources(sources: list[dict], cfg, tmp_dir: Path, acc: Accounts) -> tuple[np.ndarray, np.ndarray]:
-    """Pass 1 over every source. Returns (digests as an S16 array, source index per candidate) for the rows written
-    to tmp_dir, in source order; counts and rejects go to acc."""
+def pass1_units(sources: list[dict], pcfg) -> list[dict]:
+    return plan_units(sources, max(1, int(float(pcfg.get("split_mb") or 64) * 2**20)), max_record_bytes(pcfg))
+
+
+@contextmanager
+def pass1_pool(sources: list[dict], units: list[dict], pcfg):
+    """The worker processes of pass 1, or None where it runs in this process. Forked where the platform allows,
+    before any thread of the stage starts (MLflow's): they start with this process's modules, without importing
+    them again. A large input is read in a worker even when it is one unit (a JSON list): this process then has a
+    core for MLflow's warm-up instead of taking turns with it."""
+    workers = int(pcfg.get("workers") or 1)
+    big = sum(Path(s["path"]).stat().st_size for s in sources) >= IN_PROCESS_MAX_BYTES
+    if workers <= 1 or (len(units) <= 1 and not big):
+        yield None
+        return
+    context = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
+    with context.Pool(min(workers, len(units)), initializer=_default_sigterm) as pool:
+        yield pool
+
+
+def _default_sigterm() -> None:
+    """A worker dies at once on the pool's SIGTERM at the end: a forked one would inherit run_stage's handler, whose
+    SystemExit unwinds through the worker's shutdown and can hang there."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def normalize_sources(units: list[dict], pool, cfg, tmp_dir: Path, acc: Accounts) -> tuple[np.ndarray, np.ndarray]:
+    """Pass 1 over every unit (pass1_units), in `pool` (pass1_pool) or here. Returns (digests as an S16 array, source
+    index per candidate) for the rows written to tmp_dir, in source order; counts and rejects go to acc."""
     pcfg = cfg.prepare
-    units = plan_units(sources, max(1, int(float(pcfg.get("split_mb") or 64) * 2**20)), max_record_bytes(pcfg))
     plain = OmegaConf.to_container(pcfg, resolve=True)
     target = OmegaConf.to_container(cfg.target, resolve=True) if pcfg.get("max_prompt_tokens") else None
     args = [(u, plain, str(tmp_dir), target) for u in units]
-    workers = int(pcfg.get("workers") or 1)
-    # a large input is read in a worker process even when it is one unit (a JSON list): the main process then has a
-    # core for MLflow's warm-up instead of taking turns with it
-    big = sum(Path(s["path"]).stat().st_size for s in sources) >= IN_PROCESS_MAX_BYTES
-    if workers > 1 and (len(units) > 1 or big):
-        with get_context("spawn").Pool(min(workers, len(units))) as pool:
-            results = pool.starmap(normalize_unit, args, chunksize=1)
+    if pool is not None:
+        results = pool.starmap(normalize_unit, args, chunksize=1)
     else:
         results = [normalize_unit(*a) for a in args]
     return _merge(units, results, tmp_dir, acc)
