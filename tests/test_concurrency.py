@@ -59,18 +59,24 @@ def test_finds_the_knee_from_a_misleading_assessment_and_from_nothing():
         assert 10 <= sorted(levels[settle_s:])[len(levels[settle_s:]) // 2] <= 14
 
 
+def share_of_best(server: KneeServer, levels: list[int]) -> float:
+    return mean_rate(server, levels) / max(server.tokens_per_s(level) for level in range(1, 257))
+
+
+def after_a_move(controller: LevelController, clock: list, server: KneeServer, knee: int, seconds: int) -> list[int]:
+    """The levels over `seconds` after the server's knee moves to `knee`."""
+    server.knee = knee
+    return simulate(controller, server, seconds, clock)
+
+
 def test_follows_a_knee_that_moves_mid_run():
     server, clock = KneeServer(knee=12), [0.0]
     controller = make(12, clock)
     simulate(controller, server, 200, clock)
-    server.knee = 40
-    levels = simulate(controller, server, 300, clock)
-    best = max(server.tokens_per_s(level) for level in range(1, 257))
-    assert mean_rate(server, levels[100:]) >= 0.9 * best and max(levels) >= 35
-    server.knee = 8  # and down: 5x too many in flight, every request 10x slower, so each window takes longer
-    levels = simulate(controller, server, 600, clock)
-    best = max(server.tokens_per_s(level) for level in range(1, 257))
-    assert mean_rate(server, levels[300:]) >= 0.9 * best
+    levels = after_a_move(controller, clock, server, 40, 300)
+    assert share_of_best(server, levels[100:]) >= 0.9 and max(levels) >= 35
+    # and down: 5x too many in flight, every request 10x slower, so each window takes longer
+    assert share_of_best(server, after_a_move(controller, clock, server, 8, 600)[300:]) >= 0.9
 
 
 def test_a_knee_that_moves_up_is_climbed_to_quickly():
@@ -80,10 +86,8 @@ def test_a_knee_that_moves_up_is_climbed_to_quickly():
     server, clock = KneeServer(knee=12), [0.0]
     controller = make(16, clock)
     simulate(controller, server, 60, clock)
-    server.knee = 24
-    levels = simulate(controller, server, 60, clock)
-    best = max(server.tokens_per_s(level) for level in range(1, 257))
-    assert mean_rate(server, levels[10:]) >= 0.9 * best, levels
+    levels = after_a_move(controller, clock, server, 24, 60)
+    assert share_of_best(server, levels[10:]) >= 0.9, levels
 
 
 def test_a_window_of_zero_tokens_does_not_stop_the_search():
