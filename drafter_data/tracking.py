@@ -124,13 +124,20 @@ def pipeline_run_id() -> str:
 
 
 def stage_start_ms() -> int:
-    """When this stage's process started: the run's start (a run opens when its stage has checked its config)."""
-    import psutil
-
+    """When this stage's process started: the run's start (a run opens when its stage has checked its config). From
+    the process's age in clock ticks since boot (10 ms), not psutil's create_time, whose boot time is whole seconds:
+    a run could seem to start up to a second before the previous stage's run ended."""
     try:
-        return int(psutil.Process().create_time() * 1000)
-    except psutil.Error:
-        return int(time.time() * 1000)
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return int((time.time() - age_s) * 1000)
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
+        import psutil
+
+        try:
+            return int(psutil.Process().create_time() * 1000)
+        except psutil.Error:
+            return int(time.time() * 1000)
 
 
 def _git_commit() -> str | None:

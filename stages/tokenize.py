@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import sys
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from multiprocessing import get_all_start_methods, get_context
+from multiprocessing import get_all_start_methods
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -36,6 +35,7 @@ from drafter_data.tokens.regroup import partition_by_conversation
 from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
 from drafter_data.tokens.rows import init_worker, tokenize_task, worker_conversation, worker_settings_loaded
 from drafter_data.tracking import stage_run
+from drafter_data.worker_processes import worker_processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,7 +99,7 @@ def fresh_output(out_dir: Path) -> None:
 
 
 def worker_settings(cfg, out_dir: Path) -> dict:
-    """Everything a worker process needs, as plain data (workers are spawned)."""
+    """Everything a worker process needs, as plain data (where workers are spawned, not forked)."""
     tcfg = cfg.tokenize
     thinking = bool(cfg.generation.thinking)
     template_kwargs = OmegaConf.to_container(tcfg.template_kwargs, resolve=True) if tcfg.template_kwargs else {}
@@ -174,21 +174,10 @@ def task_map(workers: int, server_kind: bool, n_tasks: int):
         with ThreadPoolExecutor(max_workers=workers * 2 if server_kind else 1) as pool:
             yield pool.map
         return
-    fork = "fork" in get_all_start_methods()
-    context = get_context("fork" if fork else "spawn")
-    initargs = (None if fork else worker_settings_loaded(),)
-    with context.Pool(min(workers, n_tasks), initializer=start_worker, initargs=initargs) as pool:
-        yield pool.imap_unordered
-
-
-def start_worker(settings: dict | None) -> None:
-    """A worker dies at once on the pool's SIGTERM (sent at the end, once every shard is written): a forked one would
-    inherit run_stage's handler, whose SystemExit unwinds through the worker's shutdown and can hang there on a lock,
-    holding up the stage's exit for good."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if settings is not None:
-        init_worker(settings)
-
+    forked = "fork" in get_all_start_methods()  # forked workers start with the tokenizer this process loaded
+    with worker_processes(min(workers, n_tasks), None if forked else init_worker,
+                          () if forked else (worker_settings_loaded(),)) as pool:
+        yield pool.map
 
 if __name__ == "__main__":
     run_stage(main)

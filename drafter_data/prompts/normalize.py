@@ -2,15 +2,13 @@
 shards, with only a 16-byte digest per candidate kept in memory.
 
 The work is cut into units (a JSON list is one unit, a large JSONL file several line ranges) that run in
-`prepare.workers` spawned processes; their results are merged back in source order, with reject lines and indexes
-made relative to the whole file again.
+`prepare.workers` worker processes (forked where the platform allows); their results are merged back in source
+order, with reject lines and indexes made relative to the whole file again.
 """
 from __future__ import annotations
 
-import signal
 from collections import Counter
 from contextlib import contextmanager
-from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ from drafter_data.prompts.items import BadRecord, parse_error, raw_text
 from drafter_data.prompts.records import (DEFAULT_MAX_RECORD_BYTES, is_json_list, jsonl_blocks, line_ranges,
                                           open_source, read_records)
 from drafter_data.prompts.selection import BATCH, write_pass1_shard
+from drafter_data.worker_processes import worker_processes
 
 FLUSH_CHARS = 8 << 20  # a unit's buffered prompt text is written out at this size (or every BATCH rows)
 IN_PROCESS_MAX_BYTES = 64 << 20  # from this input size on, pass 1 always runs in worker processes
@@ -53,24 +52,16 @@ def pass1_units(sources: list[dict], pcfg) -> list[dict]:
 
 @contextmanager
 def pass1_pool(sources: list[dict], units: list[dict], pcfg):
-    """The worker processes of pass 1, or None where it runs in this process. Forked where the platform allows,
-    before any thread of the stage starts (MLflow's): they start with this process's modules, without importing
-    them again. A large input is read in a worker even when it is one unit (a JSON list): this process then has a
-    core for MLflow's warm-up instead of taking turns with it."""
+    """The worker processes of pass 1 (see worker_processes; enter it before any thread of the stage starts), or
+    None where it runs in this process. A large input is read in a worker even when it is one unit (a JSON list):
+    this process then has a core for MLflow's warm-up instead of taking turns with it."""
     workers = int(pcfg.get("workers") or 1)
     big = sum(Path(s["path"]).stat().st_size for s in sources) >= IN_PROCESS_MAX_BYTES
     if workers <= 1 or (len(units) <= 1 and not big):
         yield None
         return
-    context = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
-    with context.Pool(min(workers, len(units)), initializer=_default_sigterm) as pool:
+    with worker_processes(min(workers, len(units))) as pool:
         yield pool
-
-
-def _default_sigterm() -> None:
-    """A worker dies at once on the pool's SIGTERM at the end: a forked one would inherit run_stage's handler, whose
-    SystemExit unwinds through the worker's shutdown and can hang there."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def normalize_sources(units: list[dict], pool, cfg, tmp_dir: Path, acc: Accounts) -> tuple[np.ndarray, np.ndarray]:
@@ -81,7 +72,8 @@ def normalize_sources(units: list[dict], pool, cfg, tmp_dir: Path, acc: Accounts
     target = OmegaConf.to_container(cfg.target, resolve=True) if pcfg.get("max_prompt_tokens") else None
     args = [(u, plain, str(tmp_dir), target) for u in units]
     if pool is not None:
-        results = pool.starmap(normalize_unit, args, chunksize=1)
+        results = list(pool.map(normalize_unit, *zip(*args)))
+        pool.shutdown()  # the workers' part is done
     else:
         results = [normalize_unit(*a) for a in args]
     return _merge(units, results, tmp_dir, acc)

@@ -1,0 +1,44 @@
+"""Worker processes for the CPU stages (prepare's pass 1, tokenize).
+
+Forked where the platform allows, and all at once when the pool opens (before the stage starts a thread of its own,
+such as MLflow's): they begin with the stage's modules and tokenizer already loaded. A worker that dies (killed, out
+of memory) fails the stage with one line instead of hanging it, and a stage stopped by a signal kills its workers
+instead of waiting for their queued work.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+
+from drafter_data.errors import StageError
+
+
+@contextmanager
+def worker_processes(n: int, initializer=None, initargs: tuple = ()):
+    """A ProcessPoolExecutor of n workers, each started by `initializer(*initargs)`."""
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context(method), initializer=_start_worker,
+                               initargs=(initializer, initargs))
+    try:
+        pool.submit(int).result()  # starts every worker now (a forking pool starts them all with its first task)
+        yield pool
+    except BrokenProcessPool as exc:
+        raise StageError(f"a worker process died before finishing its work ({exc}); was it killed or out of "
+                         f"memory? Nothing was written as complete: re-run the stage") from exc
+    except BaseException:  # Ctrl-C, SIGTERM, an error: queued work is dropped, not waited for
+        for child in multiprocessing.active_children():
+            child.kill()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _start_worker(initializer, initargs: tuple) -> None:
+    # a forked worker would inherit the stage's SIGTERM handler (config.run_stage), whose SystemExit unwinds through
+    # the worker's shutdown and can hang there on a queue's lock
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if initializer is not None:
+        initializer(*initargs)
