@@ -15,9 +15,9 @@ step follows the curve's shape: going up, while tok/s grew about in proportion t
 knee is well above, or moved up) it strides out at least SHIFT_STEP, and once it grew much less (< 0.5: the curve
 bends near the knee) it halves, in between it stays; going down it grows by half (towards 2x). After a stride, a
 probe further on that fails is followed by one halfway back, not by the other side (where the best came from, known
-worse). When neither
-neighbour pays, the step halves, down to MIN_STEP, so the level ends up spending its time at the best and one small
-step either side of it. When
+worse), and a stride never reaches past halfway to a level further on that measured worse in the last RECENT
+windows. When neither neighbour pays, the step halves, down to MIN_STEP, so the level ends up spending its time at
+the best and one small step either side of it. When
 the best level, measured again, is more than SHIFT off its last figure, the server has changed (a filling KV cache
 moves the knee down): the step grows back to SHIFT_STEP, towards where the change points. The search starts from the
 assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a level
