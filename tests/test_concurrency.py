@@ -90,6 +90,32 @@ def test_a_knee_that_moves_up_is_climbed_to_quickly():
     assert share_of_best(server, levels[10:]) >= 0.9, levels
 
 
+def test_a_knee_that_moves_up_by_any_amount_is_followed_within_seconds():
+    """Climbing in equal steps while tok/s grows with the level, not in growing ones that overshoot the new knee
+    (a level past it is slow to measure), whatever the knee and however far it moves."""
+    for knee in (6, 8, 10, 12, 16, 20, 28):
+        for factor in (1.5, 2, 3):
+            server, clock = KneeServer(knee=knee), [0.0]
+            controller = make(knee, clock)
+            simulate(controller, server, 60, clock)
+            levels = after_a_move(controller, clock, server, round(knee * factor), 40)
+            assert share_of_best(server, levels[10:]) >= 0.9, (knee, factor, levels)
+
+
+def test_a_neighbour_far_worse_than_the_best_sends_the_search_back_to_the_best():
+    """A neighbour one small step away measuring far below the best means the server changed (or the neighbour is
+    far past the knee): the best is measured again at once, not the other neighbour first."""
+    server, clock = KneeServer(knee=12), [0.0]
+    controller = make(12, clock)
+    simulate(controller, server, 60, clock)
+    best, best_rate, seen = controller.best, controller.best_rate, len(controller.history)
+    server.knee = 6
+    simulate(controller, server, 30, clock)
+    measured = [(level, rate) for _, level, rate in controller.history[seen:]]
+    far_worse = next(i for i, (level, rate) in enumerate(measured) if level != best and rate < 0.7 * best_rate)
+    assert measured[far_worse + 1][0] == best, measured
+
+
 def test_a_window_of_zero_tokens_does_not_stop_the_search():
     """Servers that report no usage give windows of 0 tokens; a better level after one is taken, not a crash."""
     clock = [0.0]

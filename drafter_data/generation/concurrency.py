@@ -12,16 +12,17 @@ again (so a knee that moves is noticed), then its neighbour one step away in the
 the other neighbour. A neighbour that beats the best by more than NOISE (the lower one: that is no worse than it by
 more than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best, and the
 step follows the curve's shape: going up, while tok/s grew about in proportion to the level (elasticity > 0.8: the
-knee is well above, or moved up) it strides out at least SHIFT_STEP, and once it grew much less (< 0.5: the curve
-bends near the knee) it halves, in between it stays; going down it grows by half (towards 2x). After a stride, a
-probe further on that fails is followed by one halfway back, not by the other side (where the best came from, known
-worse), and a stride never reaches past halfway to a level further on that measured worse in the last RECENT
-windows. When neither neighbour pays, the step halves, down to MIN_STEP, so the level ends up spending its time at
-the best and one small step either side of it. When
-the best level, measured again, is more than SHIFT off its last figure, the server has changed (a filling KV cache
-moves the knee down): the step grows back to SHIFT_STEP, towards where the change points. The search starts from the
-assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a level
-past the knee is the slow one to measure), or without one from 4, doubling. A window that has run MAX_WINDOW_S
+knee is well above, or moved up) it climbs on in equal steps of at least CLIMB_STEP (growing ones overshoot the
+knee), and once it grew much less (< 0.5: the curve bends near the knee) it halves, in between it stays; going down
+it grows by half (towards 2x). After a stride, a probe further on that fails is followed by one halfway back, not by
+the other side (where the best came from, known worse), and a stride never reaches past halfway to a level further on
+that measured worse in the last RECENT windows. When neither neighbour pays, the step halves, down to MIN_STEP, so
+the level ends up spending its time at the best and one small step either side of it. A neighbour more than SHIFT
+below the best sends the search back to the best at once (the server may have changed; the other neighbour can wait).
+When the best level, measured again, is more than SHIFT off its last figure, the server has changed (a filling KV
+cache moves the knee down): the step grows back to SHIFT_STEP, towards where the change points. The search starts
+from the assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a
+level past the knee is the slow one to measure), or without one from 4, doubling. A window that has run MAX_WINDOW_S
 decides on half a level's worth of requests.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ MIN_STEP = math.log(1.06)
 MAX_STEP = math.log(2.0)
 NOISE = 0.03  # relative throughput difference read as a real change
 SHIFT, SHIFT_STEP = 0.3, math.log(1.5)  # the best level re-measured this much off: the server changed; step again
+CLIMB_STEP = math.log(1.25)  # the least step while tok/s still grows in proportion to the level
 RECENT = 6  # windows whose measurements bound a stride (a knee that moves is re-measured within a few)
 MAX_WINDOW_S = 15.0  # past this, half a level's worth of requests is enough (a level far past the knee is slow)
 
@@ -119,7 +121,7 @@ class LevelController:
             self.step = self._stride(rate, below)
             self.best, self.best_rate, self._arrived = self.level, rate, True
             return self._probe("first", self.direction)
-        if self._phase == "first":
+        if self._phase == "first" and rate >= self.best_rate * (1 - SHIFT):
             if self._arrived and self.step > MIN_STEP:  # the other side is where the best came from, known worse:
                 # look between instead (unless between is where it just looked)
                 self.step = max(MIN_STEP, self.step / 2)
@@ -127,7 +129,9 @@ class LevelController:
                 if level != self.level:
                     return level
             return self._probe("second", -self.direction)
-        self.step = max(MIN_STEP, self.step / 2)  # neither side pays: look closer
+        # neither side pays: look closer; a neighbour far worse than the best (past a knee, or the server changed:
+        # a filling KV cache moves the knee down) is not followed by the other side: the best is measured again now
+        self.step = max(MIN_STEP, self.step / 2)
         self._phase = "best"
         return self.best
 
@@ -141,8 +145,9 @@ class LevelController:
             elasticity = math.log(rate / self.best_rate) / math.log(self.level / self.best)
             if elasticity < 0.5:
                 step = self.step / 2
-            elif elasticity > 0.8:  # tok/s grew with the level: the knee is well above (or moved up)
-                step = min(MAX_STEP, max(self.step * 1.5, SHIFT_STEP))
+            elif elasticity > 0.8:  # tok/s grew with the level: the knee is well above (or moved up); climb
+                # on in equal steps: a growing one overshoots the knee, and a level past it is slow to measure
+                step = max(self.step, CLIMB_STEP)
             else:
                 step = self.step
         further = [lv for _, lv, r in self.history[-RECENT:] if r < rate and (lv < self.level if below
