@@ -12,18 +12,19 @@ again (so a knee that moves is noticed), then its neighbour one step away in the
 the other neighbour. A neighbour that beats the best by more than NOISE (the lower one: that is no worse than it by
 more than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best, and the
 step follows the curve's shape: going up, while tok/s grew about in proportion to the level (elasticity > 0.8: the
-knee is well above, or moved up) it climbs on in equal steps of at least CLIMB_STEP (growing ones overshoot the
-knee), and once it grew much less (< 0.5: the curve bends near the knee) it halves, in between it stays; going down
-it grows by half (towards 2x). After a stride, a probe further on that fails is followed by one halfway back, not by
-the other side (where the best came from, known worse), and a stride never reaches past halfway to a level further on
-that measured worse in the last RECENT windows. When neither neighbour pays, the step halves, down to MIN_STEP, so
-the level ends up spending its time at the best and one small step either side of it. A neighbour more than SHIFT
-below the best sends the search back to the best at once (the server may have changed; the other neighbour can wait).
-When the best level, measured again, is more than SHIFT off its last figure, the server has changed (a filling KV
-cache moves the knee down): the step grows back to SHIFT_STEP, towards where the change points. The search starts
-from the assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a
-level past the knee is the slow one to measure), or without one from 4, doubling. A window that has run MAX_WINDOW_S
-decides on half a level's worth of requests.
+knee is well above, or moved up) it climbs on in equal steps of at least CLIMB_STEP (growing ones overshoot a knee
+near by), growing by half from the fourth such climb in a row (a knee far above), and once it grew much less (< 0.5:
+the curve bends near the knee) it halves, in between it stays; going down it grows by half (towards 2x). After a
+stride, a probe further on that fails is followed by one halfway back, not by the other side (where the best came
+from, known worse), and a stride never reaches past halfway to a level further on that measured worse in the last
+RECENT windows. When neither neighbour pays, the step halves, down to MIN_STEP, so the level ends up spending its
+time at the best and one small step either side of it. A first neighbour more than SHIFT below the best (for the
+lower one: below what its fewer requests would give) sends the search back to the best at once (the server may have
+changed), and the next cycle looks at the other side first. When the best level, measured again, is more than SHIFT
+off its last figure, the server has changed (a filling KV cache moves the knee down): the step grows back to
+SHIFT_STEP, towards where the change points. The search starts from the assessed best level (assess's metrics.json,
+for the server it measured) in small steps, downwards first (a level past the knee is the slow one to measure), or
+without one from 4, doubling. A window that has run MAX_WINDOW_S decides on half a level's worth of requests.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class LevelController:
     _in_flight: list = field(default_factory=list)
     _settled: bool = True
     _arrived: bool = False  # the best level was just reached from the other side
+    _climbs: int = 0  # better levels in a row found going up with tok/s growing in proportion
 
     def __post_init__(self):
         self.level = self.best = self._clamp(self.level)
@@ -121,7 +123,9 @@ class LevelController:
             self.step = self._stride(rate, below)
             self.best, self.best_rate, self._arrived = self.level, rate, True
             return self._probe("first", self.direction)
-        if self._phase == "first" and rate >= self.best_rate * (1 - SHIFT):
+        self._climbs = 0
+        far_worse = rate < self.best_rate * (1 - SHIFT) * min(1.0, self.level / self.best)
+        if self._phase == "first" and not far_worse:
             if self._arrived and self.step > MIN_STEP:  # the other side is where the best came from, known worse:
                 # look between instead (unless between is where it just looked)
                 self.step = max(MIN_STEP, self.step / 2)
@@ -129,8 +133,11 @@ class LevelController:
                 if level != self.level:
                     return level
             return self._probe("second", -self.direction)
-        # neither side pays: look closer; a neighbour far worse than the best (past a knee, or the server changed:
-        # a filling KV cache moves the knee down) is not followed by the other side: the best is measured again now
+        # neither side pays: look closer. A first neighbour far worse than the best (more than SHIFT below it, or
+        # below what its fewer requests in flight would give: past a knee, or the server changed) is not followed by
+        # the other side: the best is measured again now, and the next cycle looks at the other side first
+        if self._phase == "first":
+            self.direction = -self.direction
         self.step = max(MIN_STEP, self.step / 2)
         self._phase = "best"
         return self.best
@@ -140,14 +147,16 @@ class LevelController:
         flat part of a request's time: far from the knee), shorter once it grows much less (the curve bends: the
         knee is near, and a long stride would land past it, where measuring is slow). It never reaches past halfway
         to a level further on that measured worse in the last RECENT windows."""
-        step = min(MAX_STEP, self.step * 1.5)
+        step, climbs = min(MAX_STEP, self.step * 1.5), 0
         if not below and self.level > self.best and self.best_rate > 0:  # (a window of 0 tokens: no shape to read)
             elasticity = math.log(rate / self.best_rate) / math.log(self.level / self.best)
             if elasticity < 0.5:
                 step = self.step / 2
-            elif elasticity > 0.8:  # tok/s grew with the level: the knee is well above (or moved up); climb
-                # on in equal steps: a growing one overshoots the knee, and a level past it is slow to measure
-                step = max(self.step, CLIMB_STEP)
+            elif elasticity > 0.8:  # tok/s grew with the level: the knee is well above (or moved up). Climb on
+                # in equal steps (a growing one overshoots a knee near by, and a level past it is slow to measure),
+                # growing by half from the fourth such climb in a row (a knee far above)
+                step = max(self.step * (1.5 if self._climbs > 2 else 1.0), CLIMB_STEP)
+                climbs = self._climbs + 1
             else:
                 step = self.step
         further = [lv for _, lv, r in self.history[-RECENT:] if r < rate and (lv < self.level if below
@@ -155,7 +164,8 @@ class LevelController:
         if further:
             nearest = max(further) if below else min(further)
             step = min(step, abs(math.log(nearest / self.level)) / 2)
-        return max(MIN_STEP, step)
+        self._climbs = climbs
+        return max(MIN_STEP, min(MAX_STEP, step))
 
     def _probe(self, phase: str, direction: int) -> int:
         """The neighbour of the best one step towards `direction` (at a bound: the other side)."""
