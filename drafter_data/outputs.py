@@ -1,29 +1,25 @@
 """Replacing a stage's output directory without ever deleting what it must not.
 
-A stage starts from an empty output directory, so an old one is deleted first. That is refused, with a message, when
-the directory is (or contains) one of the stage's inputs, or the repo itself, or when it exists, is not empty and
-holds nothing the stage writes (a mistyped path must not wipe somebody's folder).
-Shared by the stages that replace their output directory (prepare, tokenize), each with its own inputs and markers.
+prepare replaces its output directory, so the old one is deleted. That is refused, with a message, when the
+directory is (or contains) one of the stage's inputs, or the repo itself, or when it exists, is not empty and holds
+nothing the stage writes (a mistyped path must not wipe somebody's folder).
+
+StagedOutputDir writes the new directory whole: into a temporary sibling (same filesystem), renamed into place only
+once every file in it is written and flushed, so whatever stops the stage before that leaves the old one as it was.
 """
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from drafter_data.errors import StageError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def fresh_output_dir(out_dir: Path, key: str, protected: dict[str, Path], markers: tuple[str, ...]) -> Path:
-    """Deletes out_dir if it is safe to (see the module doc), then creates it empty. `protected` names what must
-    survive (e.g. {"the prompt file of source 'x'": path}); the working directory and the repo are always added;
-    `markers` are glob patterns of files the stage writes there (e.g. "stats.json", "prompts-*.parquet")."""
-    check_replaceable(out_dir, key, protected, markers)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    return out_dir
 
 
 def check_replaceable(out_dir: Path, key: str, protected: dict[str, Path], markers: tuple[str, ...]) -> None:
@@ -39,3 +35,112 @@ def check_replaceable(out_dir: Path, key: str, protected: dict[str, Path], marke
     if out_dir.exists() and any(out_dir.iterdir()) and not any(any(out_dir.glob(m)) for m in markers):
         raise StageError(f"{key}={out_dir} is a directory with other files in it (none of {', '.join(markers)}): "
                          f"refusing to delete it; empty it or choose another output directory")
+
+
+class StagedOutputDir:
+    """with StagedOutputDir(out_dir, key, protected, markers) as staged: (write into staged.path); staged.commit()
+
+    Entering checks out_dir may be replaced (check_replaceable: a refused output fails before any work), removes what
+    killed runs for the same output left beside it (see remove_leftovers) and creates `.<name>.partial-<pid>` beside
+    out_dir. commit() flushes every file in it to disk, moves the old out_dir aside (`.<name>.old-<pid>`), renames the
+    new one into place and only then deletes the old one: a reader sees the old directory or the new one, never a
+    half-written or half-deleted one. Leaving without commit() (an error, Ctrl-C, SIGTERM) deletes the partial
+    directory and leaves out_dir untouched; after SIGKILL the next run for that output deletes it."""
+
+    def __init__(self, out_dir: Path, key: str, protected: dict[str, Path], markers: tuple[str, ...]):
+        self.out_dir, self.key, self.protected, self.markers = Path(out_dir), key, protected, markers
+        self.pid = os.getpid()
+        self.path = sibling(self.out_dir, "partial", self.pid)
+        self.committed = False
+
+    def __enter__(self) -> "StagedOutputDir":
+        check_replaceable(self.out_dir, self.key, self.protected, self.markers)
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.out_dir, self.protected)
+        self.path.mkdir()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.committed and os.getpid() == self.pid:  # never from a forked worker
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def commit(self) -> Path:
+        """Replaces out_dir with the partial directory (which must hold only finished files by now); returns out_dir."""
+        check_replaceable(self.out_dir, self.key, self.protected, self.markers)  # again: it may have changed since
+        for path in self.path.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                fsync(path)
+        fsync(self.path)
+        aside = sibling(self.out_dir, "old", self.pid)
+        with signals_deferred():  # Ctrl-C or SIGTERM between the two renames would leave no output at all
+            try:
+                os.rename(self.out_dir, aside)
+            except FileNotFoundError:  # there was none (or a concurrent run for the same output moved it aside)
+                aside = None
+            os.rename(self.path, self.out_dir)
+            self.committed = True
+        fsync(self.out_dir.parent)
+        if aside is not None:
+            shutil.rmtree(aside)
+        return self.out_dir
+
+
+def sibling(out_dir: Path, kind: str, pid: int) -> Path:
+    return out_dir.parent / f".{out_dir.name}.{kind}-{pid}"
+
+
+def remove_leftovers(out_dir: Path, protected: dict[str, Path]) -> None:
+    """Deletes the `.<name>.partial-<pid>` and `.<name>.old-<pid>` directories beside out_dir whose process is gone
+    (a run killed by SIGKILL, or while deleting the old output). Those of a live process are left alone: a run for the
+    same output may be writing there now (and a pid reused since only costs the disk space until it ends). This
+    process's own pid is not alive in that sense: it has not created its directory yet."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(?:partial|old)-(\d+)")
+    inputs = [p.resolve() for p in protected.values()]
+    for path in out_dir.parent.iterdir():
+        match = pattern.fullmatch(path.name)
+        if not match or path.is_symlink() or not path.is_dir():
+            continue
+        pid = int(match[1])
+        if pid != os.getpid() and pid_alive(pid):
+            continue
+        resolved = path.resolve()
+        if any(p == resolved or resolved in p.parents for p in inputs):  # somebody's input: not ours to delete
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM received inside are delivered when it ends (from the main thread only, where Python runs
+    its handlers; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in dict.fromkeys(received):
+            signal.raise_signal(sig)

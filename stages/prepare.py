@@ -6,6 +6,9 @@ Two streaming passes keep memory flat: pass 1 normalizes every record into tempo
 
     in:  prepare.sources: [{name, path, format, quota?, fields?}, ...]
     out: prepare.output: prompts-*.parquet, stats.json (read == kept + sum(dropped) per source), rejects.jsonl
+
+The output directory is written whole: into `.<name>.partial-<pid>` beside it, renamed into place once complete
+(outputs.StagedOutputDir), so a prepare that fails or is stopped leaves the previous output as it was.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from drafter_data.errors import StageError
 from drafter_data.prompts import formats
 from drafter_data.prompts.accounts import Accounts
 from drafter_data.prompts.normalize import normalize_sources, pass1_pool, pass1_units
-from drafter_data.outputs import fresh_output_dir
+from drafter_data.outputs import StagedOutputDir
 from drafter_data.prompts.prompt import MODES
 from drafter_data.prompts.selection import choose, write_chosen
 from drafter_data.tracking import stage_run
@@ -34,15 +37,18 @@ def main(cfg) -> int:
     if (pcfg.get("turns") or "first") not in MODES:
         raise StageError(f"prepare.turns must be one of {', '.join(MODES)}, got {pcfg.get('turns')!r}")
     inputs = {f"the prompt file of source {s['name']!r}": s["path"] for s in sources}
-    out_dir = fresh_output_dir(Path(pcfg.output), "prepare.output", inputs, OUTPUT_MARKERS)
-    units = pass1_units(sources, pcfg)
-    # workers first (forked before any thread starts); then the MLflow run opens, on a thread of its own (imports
-    # and store: ~2.5 s of CPU while the prompts are read), so an interrupted or failed prepare shows as KILLED or
-    # FAILED; closing it waits for that thread
-    with pass1_pool(sources, units, pcfg) as pool, stage_run("prepare", cfg) as run:
-        stats = select_prompts(sources, units, pool, cfg, out_dir)
-        print_summary(stats, out_dir)
-        log_run(run, stats, out_dir)
+    # the output's checks first (a refused output fails before any work); everything is written into staged.path,
+    # which commit() renames to prepare.output once complete (leaving the block without it deletes staged.path)
+    with StagedOutputDir(Path(pcfg.output), "prepare.output", inputs, OUTPUT_MARKERS) as staged:
+        units = pass1_units(sources, pcfg)
+        # workers first (forked before any thread starts); then the MLflow run opens, on a thread of its own (imports
+        # and store: ~2.5 s of CPU while the prompts are read), so an interrupted or failed prepare shows as KILLED or
+        # FAILED; closing it waits for that thread
+        with pass1_pool(sources, units, pcfg) as pool, stage_run("prepare", cfg) as run:
+            stats = select_prompts(sources, units, pool, cfg, staged.path)
+            out_dir = staged.commit()
+            print_summary(stats, out_dir)
+            log_run(run, stats, out_dir)  # stats.json from its final place
     return 0
 
 

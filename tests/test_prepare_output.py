@@ -1,6 +1,12 @@
 """Item 17: prepare replaces its output directory, and refuses (exit 1, one line, nothing deleted) when that directory
-is or contains an input, the repo, or somebody else's files."""
+is or contains an input, the repo, or somebody else's files. The new directory is written whole: whatever stops a
+prepare (an error, SIGTERM, Ctrl-C, a worker killed, SIGKILL) leaves the previous output byte for byte as it was."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,3 +70,188 @@ def test_the_repo_and_the_folders_above_it_are_never_an_output(where):
     out = {"repo": REPO, "repo parent": REPO.parent, "filesystem root": Path("/")}[where]
     with pytest.raises(StageError, match="the repo|the working directory"):
         check_replaceable(out, "prepare.output", {}, ("stats.json",))
+
+
+# prepare, with a fault injected at pass 1 (in a worker, before a unit is read) or after pass 2 (every shard written,
+# stats.json not yet): "raise" raises there, "block" waits there (its pid in FAULT_DIR/blocked-<pid>) until
+# FAULT_DIR/go exists, so a test can stop it at a moment it can see
+DRIVER = r"""
+import os, runpy, time
+from pathlib import Path
+from drafter_data.prompts import normalize, selection
+
+fault, at, marks = os.environ["FAULT"], os.environ["FAULT_AT"], Path(os.environ["FAULT_DIR"])
+
+def fault_here():
+    if fault == "raise":
+        raise RuntimeError("injected fault")
+    (marks / f"blocked-{os.getpid()}").touch()
+    deadline = time.monotonic() + 300
+    while not (marks / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+if at == "pass1":
+    real_unit = normalize.normalize_unit
+    def normalize_unit(*args):
+        fault_here()
+        return real_unit(*args)
+    normalize_unit.__module__, normalize_unit.__qualname__ = real_unit.__module__, real_unit.__qualname__  # pickled
+    normalize.normalize_unit = normalize_unit
+else:
+    real_chosen = selection.write_chosen
+    def write_chosen(*args):
+        shards = real_chosen(*args)
+        fault_here()
+        return shards
+    selection.write_chosen = write_chosen
+runpy.run_module("stages.prepare", run_name="__main__", alter_sys=True)
+"""
+
+
+def write_source(path: Path, tag: str) -> Path:
+    """400 lines (some broken: rejects.jsonl is not empty), in several ranges at prepare.split_mb=0.001."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ['{"prompt": "broken' if i % 37 == 5 else json.dumps({"prompt": f"{tag} question {i}"}) for i in range(400)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def snapshot(directory: Path) -> dict:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() if p.is_file() else None
+            for p in sorted(directory.rglob("*"))}
+
+
+class Setup:
+    """tmp/in/p.jsonl -> tmp/data/prompts, which a first prepare has written from the prompts "old"; the source then
+    holds the prompts "new"."""
+
+    def __init__(self, run_stage, tmp_path: Path, mlflow_uri: str):
+        self.src = write_source(tmp_path / "in" / "p.jsonl", "old")
+        self.data, self.marks, self.mlflow_uri = tmp_path / "data", tmp_path / "marks", mlflow_uri
+        self.out = self.data / "prompts"
+        self.marks.mkdir()
+        self.started: list[subprocess.Popen] = []
+        self.args = [f"prepare.output={self.out}", sources(self.src), "prepare.workers=2", "prepare.split_mb=0.001"]
+        run_stage("prepare", *self.args)
+        self.before = snapshot(self.out)
+        assert any(name.startswith("prompts-") for name in self.before) and self.before["rejects.jsonl"]
+        write_source(self.src, "new")
+
+    def start(self, fault: str, at: str) -> subprocess.Popen:
+        env = {**os.environ, "MLFLOW_TRACKING_URI": self.mlflow_uri, "FAULT": fault, "FAULT_AT": at,
+               "FAULT_DIR": str(self.marks)}
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER, *self.args], cwd=REPO, env=env, text=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:  # a test that failed before it stopped or released its prepare
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+
+    def blocked(self, proc: subprocess.Popen, timeout: float = 120) -> list[int]:
+        """The pids blocked at the fault, once there is one."""
+        deadline = time.monotonic() + timeout
+        while not (pids := [int(p.name.split("-")[1]) for p in self.marks.glob("blocked-*")]):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"prepare never reached the fault (exit {proc.wait()}): {proc.stderr.read()}")
+            time.sleep(0.05)
+        return pids
+
+    def siblings(self) -> list[str]:
+        return sorted(p.name for p in self.data.iterdir())
+
+
+@pytest.fixture
+def setup(run_stage, tmp_path, mlflow_uri):
+    setup = Setup(run_stage, tmp_path, mlflow_uri)
+    yield setup
+    setup.stop_all()
+
+
+def stop_with_sigterm(proc, pids):
+    proc.send_signal(signal.SIGTERM)  # the stage alone
+
+
+def stop_group_with_sigterm(proc, pids):
+    os.killpg(proc.pid, signal.SIGTERM)  # the stage and its workers, as `kill -- -pgid` or a CI runner does
+
+
+def stop_group_with_sigint(proc, pids):
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+
+
+def kill_a_worker(proc, pids):
+    assert proc.pid not in pids  # blocked in a worker process
+    os.kill(pids[0], signal.SIGKILL)
+
+
+@pytest.mark.parametrize("fault, at, stop, codes", [
+    ("raise", "pass2", None, {1}),
+    ("block", "pass2", stop_with_sigterm, {128 + signal.SIGTERM}),
+    ("block", "pass1", stop_group_with_sigterm, {1, 128 + signal.SIGTERM}),  # a worker's death may be seen first
+    ("block", "pass2", stop_group_with_sigint, {130}),
+    ("block", "pass1", kill_a_worker, {1}),
+], ids=["exception after pass 2", "SIGTERM after pass 2", "SIGTERM to the group in pass 1",
+        "SIGINT to the group after pass 2", "a worker killed in pass 1"])
+def test_a_prepare_stopped_part_way_leaves_the_previous_output_as_it_was(setup, fault, at, stop, codes):
+    proc = setup.start(fault, at)
+    if stop is not None:
+        stop(proc, setup.blocked(proc))
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in codes, stderr[-3000:]
+    assert snapshot(setup.out) == setup.before
+    assert setup.siblings() == ["prompts"]  # the partial directory was deleted
+
+
+def test_a_sigkilled_prepares_leftovers_are_deleted_by_the_next_run_and_a_live_ones_are_not(setup, run_stage):
+    proc = setup.start("block", "pass2")
+    setup.blocked(proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(60) == -signal.SIGKILL
+    assert snapshot(setup.out) == setup.before
+    assert setup.siblings() == [f".prompts.partial-{proc.pid}", "prompts"]  # nothing could delete it
+    live = setup.data / f".prompts.partial-{os.getpid()}"  # a prepare for the same output, still running
+    live.mkdir()
+    (live / "prompts-00000.parquet").write_bytes(b"being written")
+    run_stage("prepare", *setup.args)
+    assert setup.siblings() == [live.name, "prompts"]
+    assert (live / "prompts-00000.parquet").read_bytes() == b"being written"
+    rows = read_rows(setup.out)
+    assert rows and all(r["messages"][0]["content"].startswith("new ") for r in rows)
+    assert sorted(p.name for p in setup.out.iterdir()) == [
+        "prompts-00000.parquet", "rejects.jsonl", "stats.json"]
+
+
+def test_a_prepare_replaces_the_output_only_once_complete_and_leaves_no_temp_dir(setup, tmp_path, mlflow_uri):
+    proc = setup.start("block", "pass2")
+    (pid,) = setup.blocked(proc)
+    # every shard is written, stats.json not yet: the new rows are beside the output, which is still the old one
+    partial = setup.data / f".prompts.partial-{pid}"
+    assert snapshot(setup.out) == setup.before
+    assert setup.siblings() == [partial.name, "prompts"]
+    assert [r["messages"][0]["content"] for r in read_rows(partial)][:1] == ["new question 0"]
+    (setup.marks / "go").touch()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert setup.siblings() == ["prompts"]
+    assert f"kept 389 prompts in {setup.out}" in stderr
+    rows = read_rows(setup.out)
+    assert len(rows) == 389 and all(r["messages"][0]["content"].startswith("new ") for r in rows)
+    stats = json.loads((setup.out / "stats.json").read_text())
+    assert stats["s0"] == {"read": 400, "kept": 389, "dropped": {"invalid_json": 11}}
+    assert len((setup.out / "rejects.jsonl").read_text().splitlines()) == 11
+    assert not (setup.out / ".pass1").exists()
+    # MLflow has the stats.json of this run (uploaded from the output, not from the deleted partial directory)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_uri)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+            if r.data.params.get("prepare.output") == str(setup.out)]
+    latest = max(runs, key=lambda r: r.info.start_time)
+    assert latest.info.status == "FINISHED"
+    logged = client.download_artifacts(latest.info.run_id, "stats.json", str(tmp_path / "artifacts"))
+    assert Path(logged).read_bytes() == (setup.out / "stats.json").read_bytes()
