@@ -48,21 +48,31 @@ class StagedOutputDir:
     directory and leaves out_dir untouched; after SIGKILL the next run for that output deletes it."""
 
     def __init__(self, out_dir: Path, key: str, protected: dict[str, Path], markers: tuple[str, ...]):
-        self.out_dir, self.key, self.protected, self.markers = Path(out_dir), key, protected, markers
+        # `..` resolved by name: `out/x/..` is out, the directory renamed, not one inside it
+        self.out_dir, self.key, self.protected, self.markers = Path(os.path.abspath(out_dir)), key, protected, markers
         self.pid = os.getpid()
         self.path = sibling(self.out_dir, "partial", self.pid)
+        self.aside: Path | None = None
         self.committed = False
 
     def __enter__(self) -> "StagedOutputDir":
         check_replaceable(self.out_dir, self.key, self.protected, self.markers)
+        if os.path.ismount(self.out_dir):
+            raise StageError(f"{self.key}={self.out_dir} is a mount point: the stage replaces its output directory "
+                             f"by renaming a new one into place, which a mount point cannot be; choose a directory "
+                             f"inside it")
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         remove_leftovers(self.out_dir, self.protected)
         self.path.mkdir()
         return self
 
     def __exit__(self, *exc) -> None:
-        if not self.committed and os.getpid() == self.pid:  # never from a forked worker
+        if os.getpid() != self.pid:  # never from a forked worker
+            return
+        if not self.committed:
             shutil.rmtree(self.path, ignore_errors=True)
+        elif self.aside is not None:  # stopped after the new output was in place, before the old one was deleted
+            shutil.rmtree(self.aside, ignore_errors=True)
 
     def commit(self) -> Path:
         """Replaces out_dir with the partial directory (which must hold only finished files by now); returns out_dir."""
@@ -77,11 +87,18 @@ class StagedOutputDir:
                 os.rename(self.out_dir, aside)
             except FileNotFoundError:  # there was none (or a concurrent run for the same output moved it aside)
                 aside = None
-            os.rename(self.path, self.out_dir)
-            self.committed = True
+            try:
+                os.rename(self.path, self.out_dir)
+            except OSError as exc:
+                if aside is not None and not self.out_dir.exists():
+                    os.rename(aside, self.out_dir)
+                raise StageError(f"{self.key}={self.out_dir}: cannot rename the finished output ({self.path}) into "
+                                 f"place: {exc}; is another run writing the same output?") from exc
+            self.aside, self.committed = aside, True
         fsync(self.out_dir.parent)
         if aside is not None:
             shutil.rmtree(aside)
+            self.aside = None
         return self.out_dir
 
 
@@ -94,17 +111,20 @@ def remove_leftovers(out_dir: Path, protected: dict[str, Path]) -> None:
     (a run killed by SIGKILL, or while deleting the old output). Those of a live process are left alone: a run for the
     same output may be writing there now (and a pid reused since only costs the disk space until it ends). This
     process's own pid is not alive in that sense: it has not created its directory yet."""
-    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(?:partial|old)-(\d+)")
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(partial|old)-(\d+)")
     inputs = [p.resolve() for p in protected.values()]
-    for path in out_dir.parent.iterdir():
+    for path in sorted(out_dir.parent.iterdir()):
         match = pattern.fullmatch(path.name)
         if not match or path.is_symlink() or not path.is_dir():
             continue
-        pid = int(match[1])
+        pid = int(match[2])
         if pid != os.getpid() and pid_alive(pid):
             continue
         resolved = path.resolve()
         if any(p == resolved or resolved in p.parents for p in inputs):  # somebody's input: not ours to delete
+            continue
+        if match[1] == "old" and not os.path.lexists(out_dir):  # killed between its two renames: the old output
+            os.rename(path, out_dir)                             # goes back where it was
             continue
         shutil.rmtree(path, ignore_errors=True)
 

@@ -255,3 +255,67 @@ def test_a_prepare_replaces_the_output_only_once_complete_and_leaves_no_temp_dir
     assert latest.info.status == "FINISHED"
     logged = client.download_artifacts(latest.info.run_id, "stats.json", str(tmp_path / "artifacts"))
     assert Path(logged).read_bytes() == (setup.out / "stats.json").read_bytes()
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_prepare_killed_between_its_two_renames_gets_its_old_output_back(setup):
+    """SIGKILL (or power loss) after the old output was moved aside and before the new one was renamed in: no output
+    at all. The next prepare puts the old one back first, so even when that one fails too nothing is lost."""
+    pid = dead_pid()
+    setup.out.rename(setup.data / f".prompts.old-{pid}")
+    (setup.data / f".prompts.partial-{pid}").mkdir()
+    proc = setup.start("raise", "pass2")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert snapshot(setup.out) == setup.before
+    assert setup.siblings() == ["prompts"]
+
+
+def test_a_signal_during_the_commit_leaves_the_new_output_and_deletes_the_old(tmp_path, monkeypatch):
+    """SIGTERM while the new output is renamed in: delivered once both renames are done (the stage exits 143), and the
+    old output moved aside is deleted on the way out, not left beside the new one."""
+    from drafter_data import outputs
+
+    out = tmp_path / "prompts"
+    out.mkdir()
+    (out / "stats.json").write_text("old")
+    renames = []
+
+    def rename(a, b):
+        renames.append(b)
+        if len(renames) == 1:
+            signal.raise_signal(signal.SIGTERM)  # deferred: the handler below runs after the second rename
+        os.replace(a, b)
+
+    def sigterm(signum, frame):
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, sigterm)
+    monkeypatch.setattr(outputs.os, "rename", rename)
+    try:
+        with pytest.raises(SystemExit), outputs.StagedOutputDir(out, "prepare.output", {}, ("stats.json",)) as staged:
+            (staged.path / "stats.json").write_text("new")
+            staged.commit()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(renames) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts"]
+    assert (out / "stats.json").read_text() == "new"
+
+
+def test_an_output_named_through_dotdot_is_the_directory_it_names(tmp_path):
+    """`prompts/x/..` is prompts (renamed as a whole), not a directory to create inside it."""
+    from drafter_data import outputs
+
+    out = tmp_path / "prompts"
+    out.mkdir()
+    (out / "stats.json").write_text("old")
+    with outputs.StagedOutputDir(out / "x" / "..", "prepare.output", {}, ("stats.json",)) as staged:
+        (staged.path / "stats.json").write_text("new")
+        assert staged.commit() == out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts"] and (out / "stats.json").read_text() == "new"
