@@ -2,6 +2,8 @@
 on a simulated server (deterministic clock) with a throughput knee; the stage runs with it end to end."""
 import json
 
+import pytest
+
 from drafter_data.generation.concurrency import LevelController
 from tests.conftest import read_rows, write_prompts
 from tests.test_generate import check_exactly_once, gen_args
@@ -215,3 +217,23 @@ def test_a_minimum_above_the_maximum_is_refused(run_stage, fake_server, tmp_path
                                            "generation.concurrency_min=10", "generation.concurrency_max=5"),
                      check=False)
     assert proc.returncode == 1 and "concurrency_min=10 is above generation.concurrency_max=5" in proc.stderr
+
+
+def test_the_rate_checked_against_the_assessment_is_the_steady_one(run_stage, fake_server, tmp_path):
+    """generate's real/projected ratio uses the answers that finished with every slot busy (Little's law at the
+    level), as assess measures a steady window: not the first wave's start or the drain, here much faster per
+    request (fewer in flight than a knee of 2). At 8 in flight every token takes (8 / 2) ** 1.5 = 8 delays, so the
+    server makes at most 1 / delay tok/s."""
+    delay = 0.004
+    server = fake_server({"token_delay_s": delay, "knee": 2, "reasoning_words": 40, "content_words": 40})
+    write_prompts(tmp_path / "in", 40)
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"best": {"concurrency": 8, "output_tokens_per_s": 1 / delay},
+                                   "server": {"model": "fake-model", "url": server.url, "kind": "remote"}}))
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.token_ids=off",
+                                           f"generate.assessment={metrics}"))
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    steady = summary["steady_output_tokens_per_s"]
+    assert 0.6 / delay <= steady <= 1.05 / delay, summary
+    assert summary["throughput_vs_assessed"] == pytest.approx(steady * delay)
+    assert f"{steady:.1f} with every slot busy: {steady * delay:.2f}x the assessed 250.0" in proc.stderr

@@ -26,6 +26,10 @@ class Counters:
     stopped_at_tool_call: int = 0  # conversations ended by a tool call (no tool is run)
     finished_length: int = 0  # rows cut by max_tokens
     conversations: int = 0  # conversations settled in this run (every turn answered, or ended early)
+    # answers that finished with every slot busy, and their seconds per slot (latency / level): the steady state,
+    # as assess measures it (not the last requests' drain); Little's law gives their tok/s at the level
+    steady_tokens: int = 0
+    steady_slot_s: float = 0.0
     latencies: deque = field(default_factory=lambda: deque(maxlen=2000))  # the recent ones, for percentiles
     ttfts: deque = field(default_factory=lambda: deque(maxlen=2000))
 
@@ -121,6 +125,7 @@ class Progress:
         elapsed = max(self.elapsed(), 1e-9)
         lat = np.asarray(self.c.latencies) if self.c.latencies else None
         assessed = self.assessed.tokens_per_s * self.servers if self.assessed.tokens_per_s else None
+        steady = self.c.steady_tokens / self.c.steady_slot_s if self.c.steady_slot_s > 0 else None
         return {
             "completions": self.c.done, "errors": self.c.errors, "retries": self.c.retries,
             "stopped_by_error": self.c.stopped_by_error, "stopped_at_length": self.c.stopped_at_length,
@@ -131,9 +136,11 @@ class Progress:
             "latency_p50_s": float(np.percentile(lat, 50)) if lat is not None else None,
             "latency_p99_s": float(np.percentile(lat, 99)) if lat is not None else None,
             "ttft_p50_s": float(np.median(self.c.ttfts)) if self.c.ttfts else None,
+            "steady_output_tokens_per_s": steady,
             "assessed_output_tokens_per_s": assessed,
-            # real / projected throughput for the same servers: is the assessment's projection to be trusted?
-            "throughput_vs_assessed": self.c.output_tokens / elapsed / assessed if assessed and self.c.done else None,
+            # real / projected throughput for the same servers: is the assessment's projection to be trusted? The
+            # steady rate, as assess's (a short run's whole-run rate is mostly its first wave and its drain)
+            "throughput_vs_assessed": (steady or self.tokens_per_s()) / assessed if assessed and self.c.done else None,
         }
 
     def live_metrics(self) -> dict:

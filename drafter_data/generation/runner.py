@@ -194,6 +194,10 @@ class Runner:
         self.c.output_tokens += done.completion_tokens
         self.c.finished_length += done.finish_reason == "length"
         self.c.latencies.append(done.latency_s)
+        level = self.concurrency()
+        if level and sum(s.outstanding for s in self.pool.states) + 1 >= level:  # (its own slot is released)
+            self.c.steady_tokens += done.completion_tokens
+            self.c.steady_slot_s += done.latency_s / level
         if done.ttft_s is not None:
             self.c.ttfts.append(done.ttft_s)
         if len(self.pending) >= self.settings.shard_rows:
