@@ -194,10 +194,13 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
             run.artifact(Path(tmp) / "throughput_over_time.png", "plots")
     c = runner.c
     ratio = metrics["throughput_vs_assessed"]
-    steady = metrics["steady_output_tokens_per_s"]
-    check = (f" ({steady:.1f} with every slot busy: {ratio:.2f}x the assessed "
-             f"{metrics['assessed_output_tokens_per_s']:.1f})" if ratio and steady else
-             f" ({ratio:.2f}x the assessed {metrics['assessed_output_tokens_per_s']:.1f})" if ratio else "")
+    steady, assessed = metrics["steady_output_tokens_per_s"], metrics["assessed_output_tokens_per_s"]
+    check = ""
+    if assessed and ratio is not None:
+        check = f" ({steady:.1f} with every slot busy: {ratio:.2f}x the assessed {assessed:.1f})"
+    elif assessed and c.done:
+        check = (f" (no answer finished with every slot busy, so no steady rate to check against the assessed "
+                 f"{assessed:.1f})")
     print(f"generate: {c.done} completions this run ({rows_total} rows in {out_dir}), {c.errors} failed for good, "
           f"{c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s{check}", file=sys.stderr)
 

@@ -237,3 +237,20 @@ def test_the_rate_checked_against_the_assessment_is_the_steady_one(run_stage, fa
     assert 0.6 / delay <= steady <= 1.05 / delay, summary
     assert summary["throughput_vs_assessed"] == pytest.approx(steady * delay)
     assert f"{steady:.1f} with every slot busy: {steady * delay:.2f}x the assessed 250.0" in proc.stderr
+
+
+def test_a_run_with_fewer_conversations_than_the_level_has_no_steady_rate_to_check(run_stage, fake_server, tmp_path):
+    """No answer finishes with every slot busy: no ratio (a whole-run rate would not be the same measure), and the
+    summary says why."""
+    server = fake_server({"token_delay_s": 0.002})
+    write_prompts(tmp_path / "in", 3)
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"best": {"concurrency": 8, "output_tokens_per_s": 100.0},
+                                   "server": {"model": "fake-model", "url": server.url, "kind": "remote"}}))
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.token_ids=off",
+                                           f"generate.assessment={metrics}"))
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert summary["completions"] == 3 and summary["output_tokens_per_s"] > 0
+    assert summary["steady_output_tokens_per_s"] is None and summary["throughput_vs_assessed"] is None
+    assert "no answer finished with every slot busy, so no steady rate to check against the assessed 100.0" in \
+        proc.stderr

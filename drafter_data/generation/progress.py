@@ -139,8 +139,9 @@ class Progress:
             "steady_output_tokens_per_s": steady,
             "assessed_output_tokens_per_s": assessed,
             # real / projected throughput for the same servers: is the assessment's projection to be trusted? The
-            # steady rate, as assess's (a short run's whole-run rate is mostly its first wave and its drain)
-            "throughput_vs_assessed": (steady or self.tokens_per_s()) / assessed if assessed and self.c.done else None,
+            # steady rate, as assess's (a short run's whole-run rate is mostly its first wave and its drain); none
+            # when no answer finished with every slot busy (fewer conversations than the level)
+            "throughput_vs_assessed": steady / assessed if assessed and steady is not None else None,
         }
 
     def live_metrics(self) -> dict:

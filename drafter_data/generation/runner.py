@@ -86,6 +86,7 @@ class Runner:
         self._flush_due = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._tracking_errors: set[str] = set()
+        self._level_changed_at = 0.0  # (monotonic) an answer that ran across a change of level is not steady
 
     # --- one conversation ------------------------------------------------------------------------------------
 
@@ -194,15 +195,22 @@ class Runner:
         self.c.output_tokens += done.completion_tokens
         self.c.finished_length += done.finish_reason == "length"
         self.c.latencies.append(done.latency_s)
-        level = self.concurrency()
-        if level and sum(s.outstanding for s in self.pool.states) + 1 >= level:  # (its own slot is released)
-            self.c.steady_tokens += done.completion_tokens
-            self.c.steady_slot_s += done.latency_s / level
+        self.count_if_steady(done)
         if done.ttft_s is not None:
             self.c.ttfts.append(done.ttft_s)
         if len(self.pending) >= self.settings.shard_rows:
             self._flush_due.set()
         return {"reasoning": done.reasoning, "content": done.content, "tool_calls": tool_calls}
+
+    def count_if_steady(self, done: Completion) -> None:
+        """An answer that ran its whole life at one level with every slot busy counts towards the steady rate (its
+        own slot is already released; with auto, only the servers not set aside count, as in `concurrency`)."""
+        level = self.concurrency()
+        servers = self.pool.up() if self.settings.auto else self.pool.states
+        if level and time.monotonic() - done.latency_s >= self._level_changed_at and \
+                sum(s.outstanding for s in servers) + 1 >= level:
+            self.c.steady_tokens += done.completion_tokens
+            self.c.steady_slot_s += done.latency_s / level
 
     def error(self, conv: Conversation, reason: str, attempts: int) -> None:
         self.c.errors += 1
@@ -297,6 +305,7 @@ class Runner:
                 level = server.controller.tick(server.outstanding)
                 if level is not None:
                     self.pool.set_limit(server, level)
+                    self._level_changed_at = time.monotonic()
 
     def concurrency(self) -> int:
         """The level in flight now: fixed, or (auto) the sum over the servers that are up."""
