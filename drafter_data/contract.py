@@ -56,14 +56,18 @@ def write_table_atomic(table: pa.Table, path: Path, **options) -> None:
     """A reader (or a resumed run) sees the whole file or none of it, whatever kills this process."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, compression="zstd", **options)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
+    fsync(tmp)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync(path.parent)
+
+
+def fsync(path: Path) -> None:
+    """A file's or a directory's content (a directory's: its entries, e.g. a rename) on disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def shard_paths(directory: Path, prefix: str = "") -> list[Path]:

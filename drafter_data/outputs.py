@@ -17,6 +17,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from drafter_data.contract import fsync
 from drafter_data.errors import StageError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -137,14 +138,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
-
-
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager

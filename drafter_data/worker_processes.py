@@ -19,12 +19,13 @@ from contextlib import contextmanager
 from drafter_data.errors import StageError
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+FORKED = "fork" in multiprocessing.get_all_start_methods()  # workers start as copies of the stage and what it loaded
 
 
 @contextmanager
 def worker_processes(n: int, initializer=None, initargs: tuple = ()):
     """A ProcessPoolExecutor of n workers, each started by `initializer(*initargs)`."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    method = "fork" if FORKED else "spawn"
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context(method), initializer=_start_worker,
                                initargs=(initializer, initargs, os.getpid()))
     try:

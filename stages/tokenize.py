@@ -19,7 +19,6 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from multiprocessing import get_all_start_methods
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -35,7 +34,7 @@ from drafter_data.tokens.regroup import partition_by_conversation
 from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
 from drafter_data.tokens.rows import init_worker, tokenize_task, worker_conversation, worker_settings_loaded
 from drafter_data.tracking import stage_run
-from drafter_data.worker_processes import worker_processes
+from drafter_data.worker_processes import FORKED, worker_processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,9 +173,9 @@ def task_map(workers: int, server_kind: bool, n_tasks: int):
         with ThreadPoolExecutor(max_workers=workers * 2 if server_kind else 1) as pool:
             yield pool.map
         return
-    forked = "fork" in get_all_start_methods()  # forked workers start with the tokenizer this process loaded
-    with worker_processes(min(workers, n_tasks), None if forked else init_worker,
-                          () if forked else (worker_settings_loaded(),)) as pool:
+    # forked workers start with the tokenizer this process loaded
+    with worker_processes(min(workers, n_tasks), None if FORKED else init_worker,
+                          () if FORKED else (worker_settings_loaded(),)) as pool:
         yield pool.map
 
 if __name__ == "__main__":

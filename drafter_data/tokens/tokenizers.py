@@ -156,8 +156,8 @@ class KimiTokenizer:
     def encode_chat_np(self, text: str) -> np.ndarray:
         """encode_chat as an int32 array (straight into numpy, no Python list of ints, for text that is never cut)."""
         if self._added_re is None or not may_be_cut(text):
-            return self._enc.encode_to_numpy(text, allowed_special=self._allowed_in(text), disallowed_special=()).astype(
-                np.int32)
+            ids = self._enc.encode_to_numpy(text, allowed_special=self._allowed_in(text), disallowed_special=())
+            return ids.astype(np.int32)
         return np.asarray(self.encode_chat(text), dtype=np.int32)
 
     def encode_chat_split(self, text: str, pos: int) -> tuple[np.ndarray, np.ndarray]:
