@@ -9,6 +9,11 @@ worker processes (local tokenizers) or threads (the server tokenizer), which rea
 
     in:  tokenize.input (completion shards), the target's tokenizer (target.tokenizer_dir, or the running server)
     out: tokenize.output: tokens-*.parquet, meta.json
+
+The output directory is written whole: into `.<name>.partial-<pid>` beside it, renamed into place once complete
+(outputs.StagedOutputDir), so a tokenize that fails or is stopped leaves the previous output as it was. A result that
+crosses a threshold (checks.result_problems) is still put in place, with its problems in meta.json's `refused`, and
+then the stage exits 1 naming that meta.json.
 """
 from __future__ import annotations
 
@@ -27,8 +32,10 @@ from omegaconf import OmegaConf
 from drafter_data.config import run_stage
 from drafter_data.contract import shard_paths
 from drafter_data.errors import StageError
+from drafter_data.outputs import StagedOutputDir
 from drafter_data.tokens.chat_template import chat_template_kwargs
-from drafter_data.tokens.checks import check_consistency, check_output_dir, check_policies, result_problems
+from drafter_data.tokens.checks import (OUTPUT_MARKERS, check_consistency, check_output_dir, check_policies,
+                                        result_problems)
 from drafter_data.tokens.lengths import LengthHistograms
 from drafter_data.tokens.regroup import partition_by_conversation
 from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
@@ -44,35 +51,46 @@ def main(cfg) -> int:
     in_paths = input_shards(Path(tcfg.input))
     check_policies(tcfg)
     check_consistency(in_paths, cfg)
-    out_dir = Path(tcfg.output)
-    check_output_dir(out_dir, protected_paths(cfg))
-    fresh_output(out_dir)
-    settings = worker_settings(cfg, out_dir)
-    with server_root(cfg) as root:
-        settings["server_root"] = root
-        init_worker(settings)  # here first: a missing file fails once, clearly, before any worker starts
-        tasks = plan_tasks(in_paths, out_dir, settings)
-        # workers are forked before MLflow's thread starts (they start with the tokenizer loaded); MLflow's start-up
-        # (~2.5 s of CPU) is then let finish before the tasks go out, so it does not take the workers' cores
-        with task_map(int(tcfg.get("workers") or 1), root is not None, len(tasks)) as map_tasks, \
-                stage_run("tokenize", cfg) as run:
-            run.settle(max_s=10)
-            plotting = preload_plotting()
-            counts, lengths = tokenize_all(map_tasks, tasks, settings["max_length"])
-            shutil.rmtree(out_dir / ".conversations", ignore_errors=True)
-            plotting.join()  # a module half imported by another thread cannot be used
-            finish(cfg, run, metadata(cfg, settings, worker_conversation(), counts), throughput(counts), lengths)
+    protected = protected_paths(cfg)
+    check_output_dir(Path(tcfg.output), protected)  # a refused output fails here, before any work
+    # everything is written into staged.path (the workers' shards, the .conversations scratch partition, meta.json),
+    # which commit() renames to tokenize.output once complete; leaving the block without it deletes staged.path.
+    # Forked workers inherit the block but never run its exit (StagedOutputDir checks the pid)
+    with StagedOutputDir(Path(tcfg.output), "tokenize.output", {k: v for k, v in protected.items() if v is not None},
+                         OUTPUT_MARKERS) as staged:
+        settings = worker_settings(cfg, staged.path)
+        with server_root(cfg) as root:
+            settings["server_root"] = root
+            init_worker(settings)  # here first: a missing file fails once, clearly, before any worker starts
+            tasks = plan_tasks(in_paths, staged.path, settings)
+            # workers are forked before MLflow's thread starts (they start with the tokenizer loaded); MLflow's
+            # start-up (~2.5 s of CPU) is then let finish before the tasks go out, so it does not take their cores
+            with task_map(int(tcfg.get("workers") or 1), root is not None, len(tasks)) as map_tasks, \
+                    stage_run("tokenize", cfg) as run:
+                run.settle(max_s=10)
+                plotting = preload_plotting()
+                counts, lengths = tokenize_all(map_tasks, tasks, settings["max_length"])
+                shutil.rmtree(staged.path / ".conversations", ignore_errors=True)
+                plotting.join()  # a module half imported by another thread cannot be used
+                finish(cfg, run, staged, metadata(cfg, settings, worker_conversation(), counts), throughput(counts),
+                       lengths)
     return 0
 
 
-def finish(cfg, run, meta: dict, speed: dict, lengths) -> None:
-    """meta.json, the summary, MLflow; then a one-line refusal when the result crosses a threshold."""
-    tcfg, out_dir = cfg.tokenize, Path(cfg.tokenize.output)
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+def finish(cfg, run, staged: StagedOutputDir, meta: dict, speed: dict, lengths) -> None:
+    """meta.json, the output put in place, the summary, MLflow (from the final directory); then a one-line refusal
+    when the result crosses a threshold. A refused result is put in place too, its problems in meta.json's `refused`:
+    the stage exits 1 (so DVC records nothing) and the message names a meta.json that exists, beside the rows it
+    describes; the previous output is gone either way under `dvc repro`, which deletes it before the stage runs."""
+    tcfg = cfg.tokenize
+    problems = result_problems(meta, float(tcfg.max_drop_share), float(tcfg.max_drift_rate))
+    if problems:
+        meta = {**meta, "refused": problems}
+    (staged.path / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+    out_dir = staged.commit()
     print("\n".join(summary_lines(meta, speed, out_dir, float(tcfg.max_drift_rate))), file=sys.stderr)
     log_run(run, meta, speed, out_dir, lengths,
             estimated_reasoning=getattr(worker_conversation().tokenizer, "think_end_id", None) is None)
-    problems = result_problems(meta, float(tcfg.max_drop_share), float(tcfg.max_drift_rate))
     if problems:
         raise StageError("; ".join(problems) + f" (details in {out_dir / 'meta.json'})")
 
@@ -89,12 +107,6 @@ def protected_paths(cfg) -> dict:
     return {"the input": Path(cfg.tokenize.input), "the repo": REPO, "the working directory": Path.cwd(),
             "the tokenizer directory": Path(target.tokenizer_dir) if target.get("tokenizer_dir") else None,
             "the chat template": Path(target.chat_template) if target.get("chat_template") else None}
-
-
-def fresh_output(out_dir: Path) -> None:
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
 
 
 def worker_settings(cfg, out_dir: Path) -> dict:

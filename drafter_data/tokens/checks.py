@@ -1,4 +1,4 @@
-"""What tokenize refuses: completions of another target or thinking mode, an output directory whose removal would
+"""What tokenize refuses: completions of another target or thinking mode, an output directory whose replacement would
 destroy something else, and (after writing meta.json) a result that is mostly drops, drift or prompt mismatches."""
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from drafter_data.errors import StageError
+from drafter_data.outputs import check_replaceable
+
+# what tokenize writes in its output (.conversations: the scratch partition of tokenize.rows=conversation, which a
+# run stopped before the staged output existed may have left there): a directory holding none of them is not ours
+OUTPUT_MARKERS = ("tokens-*.parquet", "meta.json", ".conversations")
 
 POLICIES = {"overlength": ("drop", "truncate"), "on_length_finish": ("keep", "drop"),
             "on_mask_token_text": ("escape", "drop"), "rows": ("per_turn", "conversation")}
@@ -40,15 +45,18 @@ def check_consistency(paths: list[Path], cfg) -> None:
 
 
 def check_output_dir(out_dir: Path, protected: dict[str, Path | None]) -> None:
-    """tokenize.output is deleted before writing: refuse when it is, or contains, something that must survive."""
+    """tokenize.output is replaced whole (the old directory deleted once the new one is in place): refuse, before any
+    work, when it is, or contains, something that must survive; when it is not a directory; and when it is a non-empty
+    directory holding nothing tokenize writes (OUTPUT_MARKERS: a mistyped path must not wipe somebody's folder)."""
     out = out_dir.resolve()
     for what, path in protected.items():
         if path is None:
             continue
         path = Path(path).resolve()
         if path == out or out in path.parents:
-            raise StageError(f"tokenize.output={out_dir} would delete {what} ({path}) when it is cleared; "
+            raise StageError(f"tokenize.output={out_dir} would delete {what} ({path}) when it is replaced; "
                              f"choose an output directory of its own")
+    check_replaceable(out_dir, "tokenize.output", {}, OUTPUT_MARKERS)
 
 
 def result_problems(meta: dict, max_drop_share: float, max_drift_rate: float) -> list[str]:
