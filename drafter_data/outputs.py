@@ -62,9 +62,14 @@ class StagedOutputDir:
             raise StageError(f"{self.key}={self.out_dir} is a mount point: the stage replaces its output directory "
                              f"by renaming a new one into place, which a mount point cannot be; choose a directory "
                              f"inside it")
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(self.out_dir, self.protected)
-        self.path.mkdir()
+        try:
+            self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(self.out_dir, self.protected)
+            self.path.mkdir()
+        except OSError as exc:
+            raise StageError(f"{self.key}={self.out_dir}: cannot write beside it ({exc}); the stage writes its output "
+                             f"next to it and renames it into place, so it needs write access to "
+                             f"{self.out_dir.parent}") from None
         return self
 
     def __exit__(self, *exc) -> None:
@@ -124,8 +129,11 @@ def remove_leftovers(out_dir: Path, protected: dict[str, Path]) -> None:
         resolved = path.resolve()
         if any(p == resolved or resolved in p.parents for p in inputs):  # somebody's input: not ours to delete
             continue
-        if match[1] == "old" and not os.path.lexists(out_dir):  # killed between its two renames: the old output
-            os.rename(path, out_dir)                             # goes back where it was
+        if match[1] == "old" and not os.path.lexists(out_dir) and sibling(out_dir, "partial", pid).is_dir():
+            # killed between its two renames (the second one consumes the partial directory; sorted, a run's `old`
+            # comes before its `partial`): the old output, whole, goes back where it was. Without the partial one it
+            # was being deleted after the commit: what is left of it is not an output
+            os.rename(path, out_dir)
             continue
         shutil.rmtree(path, ignore_errors=True)
 

@@ -276,6 +276,33 @@ def test_a_prepare_killed_between_its_two_renames_gets_its_old_output_back(setup
     assert setup.siblings() == ["prompts"]
 
 
+def test_an_old_output_killed_while_being_deleted_is_not_put_back(setup):
+    """SIGKILL while the old output was being deleted, after the commit (no partial directory left), and then the
+    output removed (as `dvc repro` does): what is left of the old one is not an output, and the next prepare, failing
+    too, must not put it in place."""
+    pid = dead_pid()
+    aside = setup.data / f".prompts.old-{pid}"
+    setup.out.rename(aside)
+    (aside / "stats.json").unlink()  # half deleted
+    proc = setup.start("raise", "pass2")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert setup.siblings() == []
+
+
+def test_no_write_access_beside_the_output_is_one_line(tmp_path, monkeypatch):
+    from drafter_data import outputs
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(outputs.Path, "mkdir", refuse)
+    with pytest.raises(StageError, match=r"prepare.output=.*cannot write beside it .*Permission denied.* needs write "
+                                         r"access to"):
+        with outputs.StagedOutputDir(tmp_path / "out", "prepare.output", {}, ("stats.json",)):
+            pass
+
+
 def test_a_signal_during_the_commit_leaves_the_new_output_and_deletes_the_old(tmp_path, monkeypatch):
     """SIGTERM while the new output is renamed in: delivered once both renames are done (the stage exits 143), and the
     old output moved aside is deleted on the way out, not left beside the new one."""
