@@ -13,18 +13,22 @@ the other neighbour. A neighbour that beats the best by more than NOISE (the low
 more than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best, and the
 step follows the curve's shape: going up, while tok/s grew about in proportion to the level (elasticity > 0.8: the
 knee is well above, or moved up) it climbs on in equal steps of at least CLIMB_STEP (growing ones overshoot a knee
-near by), growing by half from the fourth such climb in a row (a knee far above), and once it grew much less (< 0.5:
-the curve bends near the knee) it halves, in between it stays; going down it grows by half (towards 2x). After a
-stride, a probe further on that fails is followed by one halfway back, not by the other side (where the best came
-from, known worse), and a stride never reaches past halfway to a level further on that measured worse in the last
-RECENT windows. When neither neighbour pays, the step halves, down to MIN_STEP, so the level ends up spending its
-time at the best and one small step either side of it. A first neighbour more than SHIFT below the best (for the
-lower one: below what its fewer requests would give) sends the search back to the best at once (the server may have
-changed), and the next cycle looks at the other side first. When the best level, measured again, is more than SHIFT
-off its last figure, the server has changed (a filling KV cache moves the knee down): the step grows back to
-SHIFT_STEP, towards where the change points. The search starts from the assessed best level (assess's metrics.json,
-for the server it measured) in small steps, downwards first (a level past the knee is the slow one to measure), or
-without one from 4, doubling. A window that has run MAX_WINDOW_S decides on half a level's worth of requests.
+near by), growing by half from the fourth such climb in a row (a knee far above); once it grew much less (< 0.5: the
+curve bent between the two, so the knee is there) it halves and looks back between first, in between it is at most
+CLIMB_STEP; going down it grows by half (towards 2x). After a stride, a probe further on that fails is followed by
+one halfway back, not by the other side (where the best came from, known worse), and a stride never reaches past
+halfway to a level further on that measured worse in the last RECENT windows. When neither neighbour pays, the step
+halves, down to MIN_STEP, so the level ends up spending its time at the best and one small step either side of it.
+A first neighbour more than SHIFT below the best (for the lower one: below what its fewer requests would give) sends
+the search back to the best at once (the server may have changed), and the next cycle looks at the other side first.
+When the best level, measured again, is more than SHIFT off its last figure, the server has changed (a filling KV
+cache moves the knee down): the step grows back to SHIFT_STEP, towards where the change points. A knee that moves
+up does not show at the best level (below it before and after), only at a level above: one that beats the best and
+measures more than 2 x NOISE better than it did in the last RECENT windows means the knee moved up, and the search
+strides on up by SHIFT_STEP (the measurements further on are stale), not in CLIMB_STEPs. The search starts from
+the assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a level
+past the knee is the slow one to measure), or without one from 4, doubling. A window that has run MAX_WINDOW_S
+decides on half a level's worth of requests.
 """
 from __future__ import annotations
 
@@ -118,9 +122,8 @@ class LevelController:
             return self._probe("first", self.direction)
         below = self.level < self.best  # as good with fewer in flight is better: less queueing, the same tok/s
         if rate > self.best_rate * (1 + NOISE) or (below and rate >= self.best_rate * (1 - NOISE / 2)):
-            # a better level: move there, stride out the same way
-            self.direction = -1 if below else 1
-            self.step = self._stride(rate, below)
+            # a better level: move there, stride out the same way (or back, see _stride)
+            self.step, self.direction = self._stride(rate, below)
             self.best, self.best_rate, self._arrived = self.level, rate, True
             return self._probe("first", self.direction)
         self._climbs = 0
@@ -142,30 +145,36 @@ class LevelController:
         self._phase = "best"
         return self.best
 
-    def _stride(self, rate: float, below: bool) -> float:
-        """The next step after a better level: longer while tok/s still grows about in proportion to the level (the
-        flat part of a request's time: far from the knee), shorter once it grows much less (the curve bends: the
-        knee is near, and a long stride would land past it, where measuring is slow). It never reaches past halfway
-        to a level further on that measured worse in the last RECENT windows."""
-        step, climbs = min(MAX_STEP, self.step * 1.5), 0
+    def _stride(self, rate: float, below: bool) -> tuple[float, int]:
+        """The next step and side after a better level: longer while tok/s still grows about in proportion to the
+        level (the flat part of a request's time: far from the knee), shorter and back first once it grows much
+        less (the curve bent between the two: the knee is there, and a level past it is slow to measure). It never
+        reaches past halfway to a level further on that measured worse in the last RECENT windows, unless this level
+        itself measured much worse in them: then the knee moved up, and strides out by SHIFT_STEP."""
+        step, climbs, direction = min(MAX_STEP, self.step * 1.5), 0, -1 if below else 1
         if not below and self.level > self.best and self.best_rate > 0:  # (a window of 0 tokens: no shape to read)
             elasticity = math.log(rate / self.best_rate) / math.log(self.level / self.best)
             if elasticity < 0.5:
-                step = self.step / 2
+                step, direction = self.step / 2, -1
             elif elasticity > 0.8:  # tok/s grew with the level: the knee is well above (or moved up). Climb on
                 # in equal steps (a growing one overshoots a knee near by, and a level past it is slow to measure),
                 # growing by half from the fourth such climb in a row (a knee far above)
                 step = max(self.step * (1.5 if self._climbs > 2 else 1.0), CLIMB_STEP)
                 climbs = self._climbs + 1
             else:
-                step = self.step
+                step = min(self.step, CLIMB_STEP)
+        self._climbs = climbs
+        before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level]
+        if not below and before and rate > max(before) * (1 + 2 * NOISE):
+            # the knee moved up: the best level does not show it (below the knee, before and after), only a level
+            # above it; the measurements further on are stale
+            return max(step, SHIFT_STEP), 1
         further = [lv for _, lv, r in self.history[-RECENT:] if r < rate and (lv < self.level if below
                                                                               else lv > self.level)]
         if further:
             nearest = max(further) if below else min(further)
             step = min(step, abs(math.log(nearest / self.level)) / 2)
-        self._climbs = climbs
-        return max(MIN_STEP, min(MAX_STEP, step))
+        return max(MIN_STEP, min(MAX_STEP, step)), direction
 
     def _probe(self, phase: str, direction: int) -> int:
         """The neighbour of the best one step towards `direction` (at a bound: the other side)."""
