@@ -7,7 +7,8 @@ the baseline, per core (the stage's tokens/s divided by its workers):
   * past start-up: tokens over the stage's own tokenizing window (first task start to last task end);
   * whole process: tokens over the wall time of `python -m stages.tokenize` (imports, workers, MLflow included);
 and, less sensitive to other load, tokens per CPU-second of the whole stage (all its processes) against raw's.
-Goal: >= 0.8 per core past start-up. `--ids` gives every row the server's prompt and sampled ids (as vLLM returns
+Goal: >= 0.8 per core past start-up. Last, the limits of that figure on this machine: the encoding and the Parquet
+writing alone (what no tokenize can skip) against raw, and raw tiktoken in two processes side by side. `--ids` gives every row the server's prompt and sampled ids (as vLLM returns
 them): the stage keeps them and retokenizes the answer to measure drift.
 
     .venv/bin/python bench/tokenize.py [--rows 20000] [--runs 3] [--ids]
@@ -109,6 +110,56 @@ def raw_tokens_per_s(conv, texts: list[str]) -> tuple[float, float]:
     return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
 
 
+def floor_tokens_per_s(conv, texts: list[str]) -> float:
+    """The least any tokenize must do, one thread: the rendered texts encoded as the stage encodes them (special
+    tokens split out, ids as numpy) and written as tokens shards of 2,000 rows (to memory); no reading, rendering
+    or bookkeeping."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from drafter_data.tokens.rows import TokenRow, tokens_table
+
+    tokens, t0 = 0, time.perf_counter()
+    for k in range(0, len(texts), 2000):
+        rows = [TokenRow("p", 0, True, conv.tokenizer.encode_chat_np(t), [(0, 1)], []) for t in texts[k:k + 2000]]
+        tokens += sum(len(r.ids) for r in rows)
+        pq.write_table(tokens_table(rows), io.BytesIO(), use_dictionary=False, write_statistics=False)
+    return tokens / (time.perf_counter() - t0)
+
+
+def side_by_side(conv, texts: list[str]) -> float:
+    """Raw tiktoken in WORKERS forked processes at once: each one's tokens/s over one alone's (what sharing the
+    machine's cores and caches costs, before any work of the stage's)."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    start, rates = fork.Barrier(WORKERS), fork.Queue()
+
+    def encode():
+        start.wait()
+        rates.put(raw_tokens_per_s(conv, texts)[0])
+
+    alone = raw_tokens_per_s(conv, texts)[0]
+    procs = [fork.Process(target=encode) for _ in range(WORKERS)]
+    for proc in procs:
+        proc.start()
+    together = [rates.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return sum(together) / WORKERS / alone
+
+
+def print_limits(conv, texts: list[str]) -> None:
+    before = raw_tokens_per_s(conv, texts)[0]
+    floor = floor_tokens_per_s(conv, texts)
+    raw = (before + raw_tokens_per_s(conv, texts)[0]) / 2
+    shared = side_by_side(conv, texts)
+    print(f"limits: encoding + writing alone (one thread, no reading, rendering or bookkeeping) {floor / raw:.2f}x raw; "
+          f"{WORKERS} raw processes side by side {shared:.2f}x one alone each; so per core past start-up cannot pass "
+          f"about {floor / raw * shared:.2f}", flush=True)
+
+
 def run_stage(tmp: Path, run: int, env: dict) -> dict:
     out = tmp / f"out{run}"
     stage = run_measured([sys.executable, "-c", LAUNCHER, sys.executable, "-m", "stages.tokenize", "target=kimi-k2.6",
@@ -116,9 +167,10 @@ def run_stage(tmp: Path, run: int, env: dict) -> dict:
                           f"tokenize.input={tmp / 'in'}", f"tokenize.output={out}", f"tokenize.workers={WORKERS}",
                           "tokenize.max_length=100000"], env=env)
     meta = json.loads((out / "meta.json").read_text())
-    window = float(re.search(r"throughput: .* over ([\d.]+) s of tokenizing", stage["stderr"]).group(1))
+    window, per_busy = re.search(r"throughput: .* over ([\d.]+) s of tokenizing, ([\d.]+) M per busy worker-second",
+                                 stage["stderr"]).groups()
     peak_kb = float(re.search(r"stage peak RSS kB: (\d+)", stage["stderr"]).group(1))
-    return {**stage, "tokens": meta["tokens"], "window_s": window, "drift": meta["drift"],
+    return {**stage, "tokens": meta["tokens"], "window_s": float(window), "per_busy": float(per_busy) * 1e6, "drift": meta["drift"],
             "peak_rss_mb": peak_kb / 1024}
 
 
@@ -154,10 +206,12 @@ def main() -> None:
             raw_before = raw_after
             past, whole = s["tokens"] / s["window_s"] / WORKERS / raw, s["tokens"] / s["wall_s"] / WORKERS / raw
             cpu = s["tokens"] / s["cpu_s"] / raw_cpu
-            print(f"run {run + 1}: per core past start-up {past:.2f}, whole process {whole:.2f}, per CPU-second {cpu:.2f} "
+            print(f"run {run + 1}: per core past start-up {past:.2f} (per busy worker-second {s['per_busy'] / raw:.2f}), "
+                  f"whole process {whole:.2f}, per CPU-second {cpu:.2f} "
                   f"({s['tokens']:,} tokens; raw {raw / 1e6:.2f} M/s; wall {s['wall_s']:.1f} s, tokenizing "
                   f"{s['window_s']:.1f} s, start-up and finish {s['wall_s'] - s['window_s']:.1f} s; peak RSS "
                   f"{s['peak_rss_mb']:.0f} MB, CPU {s['cpu_s']:.1f} s; drift rows compared {s['drift']['rows_compared']})")
+        print_limits(conv, sample)
 
 
 if __name__ == "__main__":
