@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -68,10 +67,8 @@ def main(cfg) -> int:
             with task_map(int(tcfg.get("workers") or 1), root is not None, len(tasks)) as map_tasks, \
                     stage_run("tokenize", cfg) as run:
                 run.settle(max_s=10)
-                plotting = preload_plotting()
                 counts, lengths = tokenize_all(map_tasks, tasks, settings["max_length"])
                 shutil.rmtree(staged.path / ".conversations", ignore_errors=True)
-                plotting.join()  # a module half imported by another thread cannot be used
                 finish(cfg, run, staged, metadata(cfg, settings, worker_conversation(), counts), throughput(counts),
                        lengths)
     return 0
@@ -167,13 +164,6 @@ def tokenize_all(map_tasks, tasks: list, max_length: int) -> tuple[Counter, Leng
         counts["time.busy_ms"] += round((end - start) * 1000)
     counts["time.window_ms"] = round(max(0.0, last - first) * 1000)
     return counts, lengths
-
-
-def preload_plotting() -> threading.Thread:
-    """matplotlib (about a second to import) in the background while the workers run, for the length plot."""
-    thread = threading.Thread(target=lambda: __import__("matplotlib.pyplot"), daemon=True)
-    thread.start()
-    return thread
 
 
 @contextmanager
