@@ -5,14 +5,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from drafter_data.errors import StageError
 from tests.conftest import REPO, read_rows
+from tests.stage_faults import (FaultyRun, dead_pid, kill_a_worker, snapshot, stop_group_with_sigint,
+                                stop_group_with_sigterm, stop_with_sigterm)
 
 
 def sources(*paths: Path) -> str:
@@ -72,40 +72,10 @@ def test_the_repo_and_the_folders_above_it_are_never_an_output(where):
         check_replaceable(out, "prepare.output", {}, ("stats.json",))
 
 
-# prepare, with a fault injected at pass 1 (in a worker, before a unit is read) or after pass 2 (every shard written,
-# stats.json not yet): "raise" raises there, "block" waits there (its pid in FAULT_DIR/blocked-<pid>) until
-# FAULT_DIR/go exists, so a test can stop it at a moment it can see
-DRIVER = r"""
-import os, runpy, time
-from pathlib import Path
-from drafter_data.prompts import normalize, selection
-
-fault, at, marks = os.environ["FAULT"], os.environ["FAULT_AT"], Path(os.environ["FAULT_DIR"])
-
-def fault_here():
-    if fault == "raise":
-        raise RuntimeError("injected fault")
-    (marks / f"blocked-{os.getpid()}").touch()
-    deadline = time.monotonic() + 300
-    while not (marks / "go").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-if at == "pass1":
-    real_unit = normalize.normalize_unit
-    def normalize_unit(*args):
-        fault_here()
-        return real_unit(*args)
-    normalize_unit.__module__, normalize_unit.__qualname__ = real_unit.__module__, real_unit.__qualname__  # pickled
-    normalize.normalize_unit = normalize_unit
-else:
-    real_chosen = selection.write_chosen
-    def write_chosen(*args):
-        shards = real_chosen(*args)
-        fault_here()
-        return shards
-    selection.write_chosen = write_chosen
-runpy.run_module("stages.prepare", run_name="__main__", alter_sys=True)
-"""
+# prepare with a fault at pass 1 (in a worker, before a unit is read) or after pass 2 (every shard written, stats.json
+# not yet)
+FAULT_POINTS = {"pass1": "drafter_data.prompts.normalize:normalize_unit:before",
+                "pass2": "drafter_data.prompts.selection:write_chosen:after"}
 
 
 def write_source(path: Path, tag: str) -> Path:
@@ -116,11 +86,6 @@ def write_source(path: Path, tag: str) -> Path:
     return path
 
 
-def snapshot(directory: Path) -> dict:
-    return {p.relative_to(directory).as_posix(): p.read_bytes() if p.is_file() else None
-            for p in sorted(directory.rglob("*"))}
-
-
 class Setup:
     """tmp/in/p.jsonl -> tmp/data/prompts, which a first prepare has written from the prompts "old"; the source then
     holds the prompts "new"."""
@@ -129,8 +94,7 @@ class Setup:
         self.src = write_source(tmp_path / "in" / "p.jsonl", "old")
         self.data, self.marks, self.mlflow_uri = tmp_path / "data", tmp_path / "marks", mlflow_uri
         self.out = self.data / "prompts"
-        self.marks.mkdir()
-        self.started: list[subprocess.Popen] = []
+        self.runs = FaultyRun("stages.prepare", FAULT_POINTS, self.marks, mlflow_uri)
         self.args = [f"prepare.output={self.out}", sources(self.src), "prepare.workers=2", "prepare.split_mb=0.001"]
         run_stage("prepare", *self.args)
         self.before = snapshot(self.out)
@@ -138,28 +102,10 @@ class Setup:
         write_source(self.src, "new")
 
     def start(self, fault: str, at: str) -> subprocess.Popen:
-        env = {**os.environ, "MLFLOW_TRACKING_URI": self.mlflow_uri, "FAULT": fault, "FAULT_AT": at,
-               "FAULT_DIR": str(self.marks)}
-        proc = subprocess.Popen([sys.executable, "-c", DRIVER, *self.args], cwd=REPO, env=env, text=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        self.started.append(proc)
-        return proc
+        return self.runs.start(fault, at, self.args)
 
-    def stop_all(self) -> None:
-        for proc in self.started:
-            if proc.poll() is None:  # a test that failed before it stopped or released its prepare
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-
-    def blocked(self, proc: subprocess.Popen, timeout: float = 120) -> list[int]:
-        """The pids blocked at the fault, once there is one."""
-        deadline = time.monotonic() + timeout
-        while not (pids := [int(p.name.split("-")[1]) for p in self.marks.glob("blocked-*")]):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"prepare never reached the fault (exit {proc.wait()}): {proc.stderr.read()}")
-            time.sleep(0.05)
-        return pids
+    def blocked(self, proc: subprocess.Popen) -> list[int]:
+        return self.runs.blocked(proc)
 
     def siblings(self) -> list[str]:
         return sorted(p.name for p in self.data.iterdir())
@@ -169,24 +115,7 @@ class Setup:
 def setup(run_stage, tmp_path, mlflow_uri):
     setup = Setup(run_stage, tmp_path, mlflow_uri)
     yield setup
-    setup.stop_all()
-
-
-def stop_with_sigterm(proc, pids):
-    proc.send_signal(signal.SIGTERM)  # the stage alone
-
-
-def stop_group_with_sigterm(proc, pids):
-    os.killpg(proc.pid, signal.SIGTERM)  # the stage and its workers, as `kill -- -pgid` or a CI runner does
-
-
-def stop_group_with_sigint(proc, pids):
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-
-
-def kill_a_worker(proc, pids):
-    assert proc.pid not in pids  # blocked in a worker process
-    os.kill(pids[0], signal.SIGKILL)
+    setup.runs.stop_all()
 
 
 @pytest.mark.parametrize("fault, at, stop, codes", [
@@ -255,12 +184,6 @@ def test_a_prepare_replaces_the_output_only_once_complete_and_leaves_no_temp_dir
     assert latest.info.status == "FINISHED"
     logged = client.download_artifacts(latest.info.run_id, "stats.json", str(tmp_path / "artifacts"))
     assert Path(logged).read_bytes() == (setup.out / "stats.json").read_bytes()
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def test_a_prepare_killed_between_its_two_renames_gets_its_old_output_back(setup):

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,6 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, read_rows
+from tests.stage_faults import (FaultyRun, dead_pid, kill_a_worker, snapshot, stop_group_with_sigint,
+                                stop_group_with_sigterm, stop_with_sigterm)
 from tests.test_tokenize import completion_row, kimi_overrides
 
 ROWS = 20  # in row groups of 4: 5 tasks at tokenize.shard_rows=4, for 2 worker processes
@@ -36,11 +37,6 @@ def stage_args(inp: Path, out: Path, *extra: str) -> list[str]:
     return [*kimi_overrides(inp, out), "tokenize.workers=2", "tokenize.shard_rows=4", *extra]
 
 
-def snapshot(directory: Path) -> dict:
-    return {p.relative_to(directory).as_posix(): p.read_bytes() if p.is_file() else None
-            for p in sorted(directory.rglob("*"))}
-
-
 def prompts_of(out: Path) -> set[str]:
     return {r["prompt_id"].split("-")[0] for r in read_rows(out)}
 
@@ -58,41 +54,10 @@ def old_output(tmp_path_factory, mlflow_uri) -> Path:
     return out
 
 
-# tokenize, with a fault injected in a task (in a worker process, before its rows are read; with
-# tokenize.rows=conversation the scratch partition is written by then) or at the metadata (every shard written,
-# meta.json not yet): "raise" raises a StageError there, "block" waits there (its pid in FAULT_DIR/blocked-<pid>)
-# until FAULT_DIR/go exists, so a test can stop it at a moment it can see
-DRIVER = r"""
-import os, runpy, time
-from pathlib import Path
-from drafter_data.errors import StageError
-from drafter_data.tokens import report, rows
-
-fault, at, marks = os.environ["FAULT"], os.environ["FAULT_AT"], Path(os.environ["FAULT_DIR"])
-
-def fault_here():
-    if fault == "raise":
-        raise StageError("injected fault")
-    (marks / f"blocked-{os.getpid()}").touch()
-    deadline = time.monotonic() + 300
-    while not (marks / "go").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-if at == "task":
-    real_task = rows.tokenize_task
-    def tokenize_task(*args):
-        fault_here()
-        return real_task(*args)
-    tokenize_task.__module__, tokenize_task.__qualname__ = real_task.__module__, real_task.__qualname__  # pickled
-    rows.tokenize_task = tokenize_task
-else:
-    real_metadata = report.metadata
-    def metadata(*args):
-        fault_here()
-        return real_metadata(*args)
-    report.metadata = metadata
-runpy.run_module("stages.tokenize", run_name="__main__", alter_sys=True)
-"""
+# tokenize with a fault in a task (in a worker process, before its rows are read; with tokenize.rows=conversation the
+# scratch partition is written by then) or at the metadata (every shard written, meta.json not yet)
+FAULT_POINTS = {"task": "drafter_data.tokens.rows:tokenize_task:before",
+                "finish": "drafter_data.tokens.report:metadata:before"}
 
 
 class Setup:
@@ -102,63 +67,26 @@ class Setup:
         self.data, self.marks, self.mlflow_uri = tmp_path / "data", tmp_path / "marks", mlflow_uri
         self.out = self.data / "tokens"
         self.data.mkdir()
-        self.marks.mkdir()
         shutil.copytree(old_output, self.out)
         self.before = snapshot(self.out)
         self.inp = write_input(tmp_path / "in", "new")
-        self.started: list[subprocess.Popen] = []
+        self.runs = FaultyRun("stages.tokenize", FAULT_POINTS, self.marks, mlflow_uri, error="StageError")
 
     def start(self, fault: str, at: str, *extra: str) -> subprocess.Popen:
-        env = {**os.environ, "MLFLOW_TRACKING_URI": self.mlflow_uri, "FAULT": fault, "FAULT_AT": at,
-               "FAULT_DIR": str(self.marks)}
-        proc = subprocess.Popen([sys.executable, "-c", DRIVER, *stage_args(self.inp, self.out, *extra)], cwd=REPO,
-                                env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
-        self.started.append(proc)
-        return proc
+        return self.runs.start(fault, at, stage_args(self.inp, self.out, *extra))
 
-    def blocked(self, proc: subprocess.Popen, n: int = 1, timeout: float = 120) -> list[int]:
-        """The pids blocked at the fault, once there are n."""
-        deadline = time.monotonic() + timeout
-        while len(pids := [int(p.name.split("-")[1]) for p in self.marks.glob("blocked-*")]) < n:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"tokenize never reached the fault (exit {proc.wait()}): {proc.stderr.read()}")
-            time.sleep(0.05)
-        return pids
+    def blocked(self, proc: subprocess.Popen, n: int = 1) -> list[int]:
+        return self.runs.blocked(proc, n)
 
     def siblings(self) -> list[str]:
         return sorted(p.name for p in self.data.iterdir())
-
-    def stop_all(self) -> None:
-        for proc in self.started:
-            if proc.poll() is None:  # a test that failed before it stopped or released its tokenize
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
 
 
 @pytest.fixture
 def setup(old_output, tmp_path, mlflow_uri):
     setup = Setup(old_output, tmp_path, mlflow_uri)
     yield setup
-    setup.stop_all()
-
-
-def stop_group_with_sigterm(proc, pids):
-    os.killpg(proc.pid, signal.SIGTERM)  # the stage and its workers, as `kill -- -pgid` or a CI runner does
-
-
-def stop_with_sigterm(proc, pids):
-    proc.send_signal(signal.SIGTERM)  # the stage alone
-
-
-def stop_group_with_sigint(proc, pids):
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-
-
-def kill_a_worker(proc, pids):
-    assert proc.pid not in pids  # blocked in a worker process
-    os.kill(pids[0], signal.SIGKILL)
+    setup.runs.stop_all()
 
 
 @pytest.mark.parametrize("fault, at, stop, codes", [
@@ -179,12 +107,6 @@ def test_a_tokenize_stopped_part_way_leaves_the_previous_output_as_it_was(setup,
         assert stderr.strip().splitlines()[-1] == "error: injected fault"
     assert snapshot(setup.out) == setup.before
     assert setup.siblings() == ["tokens"]  # the partial directory was deleted
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 @pytest.mark.parametrize("rows, at", [("per_turn", "finish"), ("conversation", "task")])
