@@ -3,6 +3,7 @@ on a simulated server (deterministic clock) with a throughput knee; the stage ru
 import heapq
 import itertools
 import json
+import math
 
 import pytest
 
@@ -132,6 +133,18 @@ def test_a_knee_that_moves_up_is_seen_above_the_best_and_strided_to():
         server.knee = 24
         shares.append(share_of_best(server, simulate_requests(controller, server, 30, clock, flight)[10:]))
     assert sum(shares) / len(shares) >= 0.93, [round(share, 2) for share in shares]
+
+
+def test_a_level_at_the_upper_bound_that_measures_better_than_before_does_not_send_the_search_far_down():
+    """At concurrency_max there is nowhere to stride up to: a bound level that measures more than 6% better than it
+    did a window before (noise, or a knee that moved up past the bound) is the best again, and the next probe is the
+    climbing step below it (16 -> 13, as without the rule), not the long step a moved knee gets (16 -> 11)."""
+    clock = [0.0]
+    controller = LevelController(level=16, low=1, high=16, clock=lambda: clock[0])
+    controller.best, controller.best_rate, controller.step, controller._phase = 15, 100.0, math.log(1.06), "first"
+    controller.history = [(0.0, 16, 95.0), (1.0, 15, 100.0)]
+    assert controller._next_level(110.0) == round(16 / 1.25)
+    assert controller.best == 16
 
 
 def test_a_knee_that_moves_up_by_any_amount_is_followed_within_seconds():

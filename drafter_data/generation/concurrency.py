@@ -164,10 +164,11 @@ class LevelController:
             else:
                 step = min(self.step, CLIMB_STEP)
         self._climbs = climbs
-        before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level]
-        if not below and before and rate > max(before) * (1 + 2 * NOISE):
+        before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level and r > 0]
+        if not below and before and rate > max(before) * (1 + 2 * NOISE) and self.level < self.high:
             # the knee moved up: the best level does not show it (below the knee, before and after), only a level
-            # above it; the measurements further on are stale
+            # above it; the measurements further on are stale. (At the upper bound there is nowhere to stride to:
+            # the search goes on as usual, not to the other side by the long step)
             return max(step, SHIFT_STEP), 1
         further = [lv for _, lv, r in self.history[-RECENT:] if r < rate and (lv < self.level if below
                                                                               else lv > self.level)]
