@@ -8,7 +8,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from drafter_data.errors import StageError
-from drafter_data.outputs import check_replaceable
 
 # what tokenize writes in its output (.conversations: the scratch partition of tokenize.rows=conversation, which a
 # run stopped before the staged output existed may have left there): a directory holding none of them is not ours
@@ -46,8 +45,9 @@ def check_consistency(paths: list[Path], cfg) -> None:
 
 def check_output_dir(out_dir: Path, protected: dict[str, Path | None]) -> None:
     """tokenize.output is replaced whole (the old directory deleted once the new one is in place): refuse, before any
-    work, when it is, or contains, something that must survive; when it is not a directory; and when it is a non-empty
-    directory holding nothing tokenize writes (OUTPUT_MARKERS: a mistyped path must not wipe somebody's folder)."""
+    work, when it is, or contains, something that must survive. The rest (not a directory; a non-empty directory
+    holding none of OUTPUT_MARKERS: a mistyped path must not wipe somebody's folder) is StagedOutputDir's check as it
+    is entered, right after this one."""
     out = out_dir.resolve()
     for what, path in protected.items():
         if path is None:
@@ -56,7 +56,6 @@ def check_output_dir(out_dir: Path, protected: dict[str, Path | None]) -> None:
         if path == out or out in path.parents:
             raise StageError(f"tokenize.output={out_dir} would delete {what} ({path}) when it is replaced; "
                              f"choose an output directory of its own")
-    check_replaceable(out_dir, "tokenize.output", {}, OUTPUT_MARKERS)
 
 
 def result_problems(meta: dict, max_drop_share: float, max_drift_rate: float) -> list[str]:
