@@ -8,8 +8,9 @@ the baseline, per core (the stage's tokens/s divided by its workers):
   * whole process: tokens over the wall time of `python -m stages.tokenize` (imports, workers, MLflow included);
 and, less sensitive to other load, tokens per CPU-second of the whole stage (all its processes) against raw's.
 Goal: >= 0.8 per core past start-up. Last, the limits of that figure on this machine: the encoding and the Parquet
-writing alone (what no tokenize can skip) against raw, and raw tiktoken in two processes side by side. `--ids` gives every row the server's prompt and sampled ids (as vLLM returns
-them): the stage keeps them and retokenizes the answer to measure drift.
+writing alone (what no tokenize can skip) against raw, and raw tiktoken in two processes side by side. `--ids` gives
+every row the server's prompt and sampled ids (as vLLM returns them): the stage keeps them and retokenizes the answer
+to measure drift.
 
     .venv/bin/python bench/tokenize.py [--rows 20000] [--runs 3] [--ids]
 """
@@ -155,9 +156,9 @@ def print_limits(conv, texts: list[str]) -> None:
     floor = floor_tokens_per_s(conv, texts)
     raw = (before + raw_tokens_per_s(conv, texts)[0]) / 2
     shared = side_by_side(conv, texts)
-    print(f"limits: encoding + writing alone (one thread, no reading, rendering or bookkeeping) {floor / raw:.2f}x raw; "
-          f"{WORKERS} raw processes side by side {shared:.2f}x one alone each; so per core past start-up cannot pass "
-          f"about {floor / raw * shared:.2f}", flush=True)
+    print(f"limits: encoding + writing alone (one thread, no reading, rendering or bookkeeping) {floor / raw:.2f}x "
+          f"raw; {WORKERS} raw processes side by side {shared:.2f}x one alone each; so per core past start-up cannot "
+          f"pass about {floor / raw * shared:.2f}", flush=True)
 
 
 def run_stage(tmp: Path, run: int, env: dict) -> dict:
@@ -170,8 +171,8 @@ def run_stage(tmp: Path, run: int, env: dict) -> dict:
     window, per_busy = re.search(r"throughput: .* over ([\d.]+) s of tokenizing, ([\d.]+) M per busy worker-second",
                                  stage["stderr"]).groups()
     peak_kb = float(re.search(r"stage peak RSS kB: (\d+)", stage["stderr"]).group(1))
-    return {**stage, "tokens": meta["tokens"], "window_s": float(window), "per_busy": float(per_busy) * 1e6, "drift": meta["drift"],
-            "peak_rss_mb": peak_kb / 1024}
+    return {**stage, "tokens": meta["tokens"], "window_s": float(window), "per_busy": float(per_busy) * 1e6,
+            "drift": meta["drift"], "peak_rss_mb": peak_kb / 1024}
 
 
 def main() -> None:
@@ -206,7 +207,8 @@ def main() -> None:
             raw_before = raw_after
             past, whole = s["tokens"] / s["window_s"] / WORKERS / raw, s["tokens"] / s["wall_s"] / WORKERS / raw
             cpu = s["tokens"] / s["cpu_s"] / raw_cpu
-            print(f"run {run + 1}: per core past start-up {past:.2f} (per busy worker-second {s['per_busy'] / raw:.2f}), "
+            print(f"run {run + 1}: per core past start-up {past:.2f} "
+                  f"(per busy worker-second {s['per_busy'] / raw:.2f}), "
                   f"whole process {whole:.2f}, per CPU-second {cpu:.2f} "
                   f"({s['tokens']:,} tokens; raw {raw / 1e6:.2f} M/s; wall {s['wall_s']:.1f} s, tokenizing "
                   f"{s['window_s']:.1f} s, start-up and finish {s['wall_s'] - s['window_s']:.1f} s; peak RSS "

@@ -50,8 +50,8 @@ runpy.run_module(stage, run_name="__main__", alter_sys=True)
 
 
 class FaultyRun:
-    """Starts `stage` (a module) with stage args and a fault at one of `points` ({name: "module:function:before|after"});
-    keeps the runs it started, to kill what a failed test left running."""
+    """Starts `stage` (a module) with stage args and a fault at one of `points`
+    ({name: "module:function:before|after"}); keeps the runs it started, to kill what a failed test left running."""
 
     def __init__(self, stage: str, points: dict[str, str], marks: Path, mlflow_uri: str, error: str = "RuntimeError"):
         self.stage, self.error, self.marks, self.mlflow_uri = stage, error, marks, mlflow_uri
