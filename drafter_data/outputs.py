@@ -19,6 +19,7 @@ from pathlib import Path
 
 from drafter_data.contract import fsync
 from drafter_data.errors import StageError
+from drafter_data.output_lock import OutputLock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,8 @@ class StagedOutputDir:
     out_dir. commit() flushes every file in it to disk, moves the old out_dir aside (`.<name>.old-<pid>`), renames the
     new one into place and only then deletes the old one: a reader sees the old directory or the new one, never a
     half-written or half-deleted one. Leaving without commit() (an error, Ctrl-C, SIGTERM) deletes the partial
-    directory and leaves out_dir untouched; after SIGKILL the next run for that output deletes it."""
+    directory and leaves out_dir untouched; after SIGKILL the next run for that output deletes it. One run per output:
+    a second one while the first holds `.<name>.lock` beside out_dir fails at once, naming it (output_lock)."""
 
     def __init__(self, out_dir: Path, key: str, protected: dict[str, Path], markers: tuple[str, ...]):
         # `..` resolved by name: `out/x/..` is out, the directory renamed, not one inside it
@@ -55,6 +57,7 @@ class StagedOutputDir:
         self.path = sibling(self.out_dir, "partial", self.pid)
         self.aside: Path | None = None
         self.committed = False
+        self.lock = OutputLock(sibling(self.out_dir, "lock"), key.split(".")[0], self.out_dir, remove=True)
 
     def __enter__(self) -> "StagedOutputDir":
         check_replaceable(self.out_dir, self.key, self.protected, self.markers)
@@ -64,21 +67,33 @@ class StagedOutputDir:
                              f"inside it")
         try:
             self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+            self.lock.__enter__()  # before touching anything beside out_dir: a second run fails here
+        except OSError as exc:
+            raise self.no_write_access(exc) from None
+        try:
             remove_leftovers(self.out_dir, self.protected)
             self.path.mkdir()
-        except OSError as exc:
-            raise StageError(f"{self.key}={self.out_dir}: cannot write beside it ({exc}); the stage writes its output "
-                             f"next to it and renames it into place, so it needs write access to "
-                             f"{self.out_dir.parent}") from None
+        except BaseException as exc:
+            self.lock.__exit__()
+            if isinstance(exc, OSError):
+                raise self.no_write_access(exc) from None
+            raise
         return self
+
+    def no_write_access(self, exc: OSError) -> StageError:
+        return StageError(f"{self.key}={self.out_dir}: cannot write beside it ({exc}); the stage writes its output "
+                          f"next to it and renames it into place, so it needs write access to {self.out_dir.parent}")
 
     def __exit__(self, *exc) -> None:
         if os.getpid() != self.pid:  # never from a forked worker
             return
-        if not self.committed:
-            shutil.rmtree(self.path, ignore_errors=True)
-        elif self.aside is not None:  # stopped after the new output was in place, before the old one was deleted
-            shutil.rmtree(self.aside, ignore_errors=True)
+        try:
+            if not self.committed:
+                shutil.rmtree(self.path, ignore_errors=True)
+            elif self.aside is not None:  # stopped after the new output was in place, before the old one was deleted
+                shutil.rmtree(self.aside, ignore_errors=True)
+        finally:
+            self.lock.__exit__()
 
     def commit(self) -> Path:
         """Replaces out_dir with the partial directory (which must hold only finished files by now); returns out_dir."""
@@ -108,8 +123,8 @@ class StagedOutputDir:
         return self.out_dir
 
 
-def sibling(out_dir: Path, kind: str, pid: int) -> Path:
-    return out_dir.parent / f".{out_dir.name}.{kind}-{pid}"
+def sibling(out_dir: Path, kind: str, pid: int | None = None) -> Path:
+    return out_dir.parent / (f".{out_dir.name}.{kind}" + ("" if pid is None else f"-{pid}"))
 
 
 def remove_leftovers(out_dir: Path, protected: dict[str, Path]) -> None:

@@ -24,7 +24,7 @@ from drafter_data.contract import shard_paths
 from drafter_data.errors import StageError
 from drafter_data.generation.error_log import ErrorLog
 from drafter_data.generation.keys import KeySet
-from drafter_data.generation.lock import OutputLock
+from drafter_data.output_lock import OutputLock
 from drafter_data.generation.concurrency import LevelController
 from drafter_data.generation.progress import Assessment
 from drafter_data.generation.runner import Runner, RunSettings
@@ -43,7 +43,7 @@ from drafter_data.tracking import stage_run
 def main(cfg) -> int:
     check_api_key_env(cfg.server)  # before anything is logged: a key pasted as the variable's name must not leak
     spec = RequestSpec.from_config(cfg)
-    with OutputLock(Path(cfg.generate.output)), stage_run("generate", cfg) as run, servers(cfg.server) as urls:
+    with OutputLock(Path(cfg.generate.output) / ".lock", "generate", Path(cfg.generate.output)), stage_run("generate", cfg) as run, servers(cfg.server) as urls:
         return asyncio.run(generate(cfg, spec, urls, run))
 
 

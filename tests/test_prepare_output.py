@@ -142,7 +142,8 @@ def test_a_sigkilled_prepares_leftovers_are_deleted_by_the_next_run_and_a_live_o
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(60) == -signal.SIGKILL
     assert snapshot(setup.out) == setup.before
-    assert setup.siblings() == [f".prompts.partial-{proc.pid}", "prompts"]  # nothing could delete it
+    # nothing could delete them; the lock file is released (the kernel drops a dead process's lock)
+    assert setup.siblings() == [".prompts.lock", f".prompts.partial-{proc.pid}", "prompts"]
     live = setup.data / f".prompts.partial-{os.getpid()}"  # a prepare for the same output, still running
     live.mkdir()
     (live / "prompts-00000.parquet").write_bytes(b"being written")
@@ -161,7 +162,7 @@ def test_a_prepare_replaces_the_output_only_once_complete_and_leaves_no_temp_dir
     # every shard is written, stats.json not yet: the new rows are beside the output, which is still the old one
     partial = setup.data / f".prompts.partial-{pid}"
     assert snapshot(setup.out) == setup.before
-    assert setup.siblings() == [partial.name, "prompts"]
+    assert setup.siblings() == [".prompts.lock", partial.name, "prompts"]
     assert [r["messages"][0]["content"] for r in read_rows(partial)][:1] == ["new question 0"]
     (setup.marks / "go").touch()
     _, stderr = proc.communicate(timeout=120)
@@ -184,6 +185,26 @@ def test_a_prepare_replaces_the_output_only_once_complete_and_leaves_no_temp_dir
     assert latest.info.status == "FINISHED"
     logged = client.download_artifacts(latest.info.run_id, "stats.json", str(tmp_path / "artifacts"))
     assert Path(logged).read_bytes() == (setup.out / "stats.json").read_bytes()
+
+
+def test_a_second_prepare_for_the_same_output_is_refused_at_once_and_touches_nothing(setup, run_stage):
+    proc = setup.start("block", "pass2")
+    (pid,) = setup.blocked(proc)
+    partial = setup.data / f".prompts.partial-{pid}"
+    being_written = snapshot(partial)
+    second = run_stage("prepare", *setup.args, check=False)
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"error: another prepare process (pid {pid}) is writing to {setup.out}; wait for it to finish or stop it "
+        f"(one run per output directory)")
+    assert snapshot(setup.out) == setup.before and snapshot(partial) == being_written
+    (setup.marks / "go").touch()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert setup.siblings() == ["prompts"]  # the lock file went with the run
+    assert all(r["messages"][0]["content"].startswith("new ") for r in read_rows(setup.out))
+    run_stage("prepare", *setup.args)  # and the next run for that output may start
+    assert setup.siblings() == ["prompts"]
 
 
 def test_a_prepare_killed_between_its_two_renames_gets_its_old_output_back(setup):

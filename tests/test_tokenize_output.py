@@ -121,7 +121,7 @@ def test_a_tokenize_replaces_the_output_only_once_complete_and_leaves_nothing_be
     # the new output is written beside the old one, which is still in place
     partial = setup.data / f".tokens.partial-{proc.pid}"
     assert snapshot(setup.out) == before
-    assert setup.siblings() == [partial.name, "tokens"]
+    assert setup.siblings() == [".tokens.lock", partial.name, "tokens"]
     if at == "finish":  # every shard written, meta.json not yet
         assert pid == proc.pid and prompts_of(partial) == {"new"} and not (partial / "meta.json").exists()
     else:  # the scratch partition is in the staged directory, not in the output
@@ -181,3 +181,20 @@ def test_a_directory_of_other_files_is_refused_before_any_work_and_left_as_it_wa
     run_stage("tokenize", *stage_args(setup.inp, setup.data / "empty"))
     assert prompts_of(setup.data / "empty") == {"new"}
     assert setup.siblings() == ["empty", "theirs", "tokens"]
+
+
+def test_a_second_tokenize_for_the_same_output_is_refused_at_once_and_touches_nothing(setup, run_stage):
+    proc = setup.start("block", "finish")
+    (pid,) = setup.blocked(proc)
+    partial = setup.data / f".tokens.partial-{pid}"
+    being_written = snapshot(partial)
+    second = run_stage("tokenize", *stage_args(setup.inp, setup.out), check=False)
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"error: another tokenize process (pid {pid}) is writing to {setup.out}; wait for it to finish or stop it "
+        f"(one run per output directory)")
+    assert snapshot(setup.out) == setup.before and snapshot(partial) == being_written
+    (setup.marks / "go").touch()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert setup.siblings() == ["tokens"] and prompts_of(setup.out) == {"new"}
