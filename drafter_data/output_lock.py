@@ -22,25 +22,36 @@ class OutputLock:
     def __enter__(self) -> OutputLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+            except PermissionError:  # left by another user's killed run: locked read-only, then replaced
+                fd = self._lock_or_refuse(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW))
+                os.unlink(self.path)
                 os.close(fd)
-                raise StageError(f"another {self.stage} process (pid {holder}) is writing to {self.output}; wait for "
-                                 f"it to finish or stop it (one run per output directory)") from None
-            if not self.remove or self._still_at_path(fd):
+                continue
+            self._lock_or_refuse(fd)
+            if self._still_at_path(fd):
                 break
             os.close(fd)  # its holder deleted this file after we opened it: lock the one now at the path
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()} {self.stage}\n".encode(), 0)
         self._fd = fd
         return self
 
+    def _lock_or_refuse(self, fd: int) -> int:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 128, 0).decode(errors="replace").split()  # "<pid> <stage>"
+            pid, stage = (holder[0] if holder else "unknown"), (holder[1] if len(holder) > 1 else self.stage)
+            os.close(fd)
+            raise StageError(f"another {stage} process (pid {pid}) is writing to {self.output}; wait for it to "
+                             f"finish or stop it (one run per output directory)") from None
+        return fd
+
     def _still_at_path(self, fd: int) -> bool:
         try:
-            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            return os.lstat(self.path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             return False
 

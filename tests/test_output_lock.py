@@ -45,7 +45,7 @@ def test_a_second_process_is_refused_naming_the_holder_and_a_killed_holder_frees
         holder.wait(30)
     assert lock.exists()  # SIGKILL runs no clean-up; the kernel dropped the lock itself
     with OutputLock(lock, "prepare", out, remove=True):
-        assert lock.read_text() == f"{os.getpid()}\n"
+        assert lock.read_text() == f"{os.getpid()} prepare\n"
     assert not lock.exists()
 
 
@@ -53,7 +53,7 @@ def test_a_lock_file_its_holder_deleted_after_we_opened_it_is_not_the_lock(tmp_p
     """The holder deletes the file and releases it between our open and our flock: the flock succeeds, but on a file
     no other process can find. We must lock the file at the path instead, or two runs would both hold "the" lock."""
     lock, out = tmp_path / ".out.lock", tmp_path / "out"
-    lock.write_text("12345\n")
+    lock.write_text("12345 prepare\n")
     real_flock, calls = output_lock.fcntl.flock, []
 
     def flock_after_the_holder_left(fd, op):
@@ -79,3 +79,58 @@ def test_generates_lock_inside_its_output_stays_when_released(tmp_path):
     start = time.monotonic()
     with OutputLock(out / ".lock", "generate", out):
         assert time.monotonic() - start < 5
+
+
+def test_the_refusal_names_the_holders_stage(tmp_path):
+    lock, out = tmp_path / ".out.lock", tmp_path / "out"
+    holder = hold_in_another_process(lock, out)  # a prepare
+    try:
+        with pytest.raises(StageError, match=rf"^another prepare process \(pid {holder.pid}\)"), \
+                OutputLock(lock, "tokenize", out, remove=True):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+
+def test_a_lock_file_this_user_cannot_write_is_locked_read_only_then_replaced(tmp_path, monkeypatch):
+    """Another user's killed run left it (0644, not ours): free, it is replaced; held, the holder is named."""
+    lock, out = tmp_path / ".out.lock", tmp_path / "out"
+    real_open = output_lock.os.open
+
+    def not_writable(path, flags, *mode):
+        if Path(path) == lock and flags & os.O_RDWR and path_exists(lock) and lock.read_text() == "1 prepare\n":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *mode)
+
+    def path_exists(p):
+        return os.path.lexists(p)
+
+    monkeypatch.setattr(output_lock.os, "open", not_writable)
+    lock.write_text("1 prepare\n")
+    with OutputLock(lock, "prepare", out, remove=True):
+        assert lock.read_text() == f"{os.getpid()} prepare\n"
+    assert not lock.exists()
+    monkeypatch.setattr(output_lock.os, "open", real_open)
+    holder = hold_in_another_process(lock, out)
+    try:
+        lock_text = lock.read_text()
+        monkeypatch.setattr(output_lock.os, "open", lambda path, flags, *mode: (
+            (_ for _ in ()).throw(PermissionError(13, "Permission denied", str(path)))
+            if flags & os.O_RDWR else real_open(path, flags, *mode)))
+        with pytest.raises(StageError, match=rf"pid {holder.pid}\)"), OutputLock(lock, "prepare", out, remove=True):
+            pass
+        assert lock.read_text() == lock_text  # the holder's file, untouched
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+
+def test_a_symlink_at_the_lock_path_is_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("important contents")
+    lock, out = tmp_path / ".out.lock", tmp_path / "out"
+    lock.symlink_to(victim)
+    with pytest.raises(OSError), OutputLock(lock, "prepare", out, remove=True):
+        pass
+    assert victim.read_text() == "important contents"
