@@ -85,6 +85,19 @@ class FaultyRun:
                 proc.wait(30)
 
 
+def check_a_second_run_is_refused(run_stage, stage: str, args: list[str], out: Path, pid: int, before: dict) -> None:
+    """While run `pid` writes `out` (blocked at a fault), the same stage for the same output fails at once with one
+    line naming it, and touches neither the output nor what the first run is writing."""
+    partial = out.parent / f".{out.name}.partial-{pid}"
+    being_written = snapshot(partial)
+    second = run_stage(stage, *args, check=False)
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"error: another {stage} process (pid {pid}) is writing to {out}; wait for it to finish or stop it "
+        f"(one run per output directory)")
+    assert snapshot(out) == before and snapshot(partial) == being_written
+
+
 def snapshot(directory: Path) -> dict:
     return {p.relative_to(directory).as_posix(): p.read_bytes() if p.is_file() else None
             for p in sorted(directory.rglob("*"))}

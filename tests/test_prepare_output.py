@@ -11,8 +11,8 @@ import pytest
 
 from drafter_data.errors import StageError
 from tests.conftest import REPO, read_rows
-from tests.stage_faults import (FaultyRun, dead_pid, kill_a_worker, snapshot, stop_group_with_sigint,
-                                stop_group_with_sigterm, stop_with_sigterm)
+from tests.stage_faults import (FaultyRun, check_a_second_run_is_refused, dead_pid, kill_a_worker, snapshot,
+                                stop_group_with_sigint, stop_group_with_sigterm, stop_with_sigterm)
 
 
 def sources(*paths: Path) -> str:
@@ -190,14 +190,7 @@ def test_a_prepare_replaces_the_output_only_once_complete_and_leaves_no_temp_dir
 def test_a_second_prepare_for_the_same_output_is_refused_at_once_and_touches_nothing(setup, run_stage):
     proc = setup.start("block", "pass2")
     (pid,) = setup.blocked(proc)
-    partial = setup.data / f".prompts.partial-{pid}"
-    being_written = snapshot(partial)
-    second = run_stage("prepare", *setup.args, check=False)
-    assert second.returncode == 1
-    assert second.stderr.strip().splitlines()[-1] == (
-        f"error: another prepare process (pid {pid}) is writing to {setup.out}; wait for it to finish or stop it "
-        f"(one run per output directory)")
-    assert snapshot(setup.out) == setup.before and snapshot(partial) == being_written
+    check_a_second_run_is_refused(run_stage, "prepare", setup.args, setup.out, pid, setup.before)
     (setup.marks / "go").touch()
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]

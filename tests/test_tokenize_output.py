@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, read_rows
-from tests.stage_faults import (FaultyRun, dead_pid, kill_a_worker, snapshot, stop_group_with_sigint,
-                                stop_group_with_sigterm, stop_with_sigterm)
+from tests.stage_faults import (FaultyRun, check_a_second_run_is_refused, dead_pid, kill_a_worker, snapshot,
+                                stop_group_with_sigint, stop_group_with_sigterm, stop_with_sigterm)
 from tests.test_tokenize import completion_row, kimi_overrides
 
 ROWS = 20  # in row groups of 4: 5 tasks at tokenize.shard_rows=4, for 2 worker processes
@@ -186,14 +186,8 @@ def test_a_directory_of_other_files_is_refused_before_any_work_and_left_as_it_wa
 def test_a_second_tokenize_for_the_same_output_is_refused_at_once_and_touches_nothing(setup, run_stage):
     proc = setup.start("block", "finish")
     (pid,) = setup.blocked(proc)
-    partial = setup.data / f".tokens.partial-{pid}"
-    being_written = snapshot(partial)
-    second = run_stage("tokenize", *stage_args(setup.inp, setup.out), check=False)
-    assert second.returncode == 1
-    assert second.stderr.strip().splitlines()[-1] == (
-        f"error: another tokenize process (pid {pid}) is writing to {setup.out}; wait for it to finish or stop it "
-        f"(one run per output directory)")
-    assert snapshot(setup.out) == setup.before and snapshot(partial) == being_written
+    check_a_second_run_is_refused(run_stage, "tokenize", stage_args(setup.inp, setup.out), setup.out, pid,
+                                  setup.before)
     (setup.marks / "go").touch()
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
