@@ -43,7 +43,8 @@ from drafter_data.tracking import stage_run
 def main(cfg) -> int:
     check_api_key_env(cfg.server)  # before anything is logged: a key pasted as the variable's name must not leak
     spec = RequestSpec.from_config(cfg)
-    with OutputLock(Path(cfg.generate.output) / ".lock", "generate", Path(cfg.generate.output)), stage_run("generate", cfg) as run, servers(cfg.server) as urls:
+    out = Path(cfg.generate.output)
+    with OutputLock(out / ".lock", "generate", out), stage_run("generate", cfg) as run, servers(cfg.server) as urls:
         return asyncio.run(generate(cfg, spec, urls, run))
 
 

@@ -96,28 +96,23 @@ def test_the_refusal_names_the_holders_stage(tmp_path):
 def test_a_lock_file_this_user_cannot_write_is_locked_read_only_then_replaced(tmp_path, monkeypatch):
     """Another user's killed run left it (0644, not ours): free, it is replaced; held, the holder is named."""
     lock, out = tmp_path / ".out.lock", tmp_path / "out"
-    real_open = output_lock.os.open
+    foreign, real_open = set(), os.open
 
-    def not_writable(path, flags, *mode):
-        if Path(path) == lock and flags & os.O_RDWR and path_exists(lock) and lock.read_text() == "1 prepare\n":
+    def open_as_this_user(path, flags, *mode):  # may not write the files in `foreign` (by inode)
+        if flags & os.O_RDWR and os.path.lexists(path) and os.lstat(path).st_ino in foreign:
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, flags, *mode)
 
-    def path_exists(p):
-        return os.path.lexists(p)
-
-    monkeypatch.setattr(output_lock.os, "open", not_writable)
+    monkeypatch.setattr(output_lock.os, "open", open_as_this_user)
     lock.write_text("1 prepare\n")
+    foreign.add(lock.stat().st_ino)
     with OutputLock(lock, "prepare", out, remove=True):
         assert lock.read_text() == f"{os.getpid()} prepare\n"
     assert not lock.exists()
-    monkeypatch.setattr(output_lock.os, "open", real_open)
     holder = hold_in_another_process(lock, out)
     try:
         lock_text = lock.read_text()
-        monkeypatch.setattr(output_lock.os, "open", lambda path, flags, *mode: (
-            (_ for _ in ()).throw(PermissionError(13, "Permission denied", str(path)))
-            if flags & os.O_RDWR else real_open(path, flags, *mode)))
+        foreign.add(lock.stat().st_ino)
         with pytest.raises(StageError, match=rf"pid {holder.pid}\)"), OutputLock(lock, "prepare", out, remove=True):
             pass
         assert lock.read_text() == lock_text  # the holder's file, untouched
