@@ -35,3 +35,21 @@ def test_stage_params_declared_in_dvc_yaml_exist():
             for part in str(key).split("."):
                 assert part in node, f"stage {name} declares param {key}, which params.yaml lacks"
                 node = node[part]
+
+
+def test_each_target_sets_its_own_drift_limit_and_an_override_wins():
+    """How often a model samples non-canonical splits of its own text is the target's: tokenize.max_drift_rate
+    defaults to the target's figure (a tiny sampled model drifts far more than a template mismatch would allow a
+    large one), and a -S/command-line tokenize.max_drift_rate still wins."""
+    targets = sorted((REPO / "conf" / "target").glob("*.yaml"))
+    assert len(targets) >= 3
+    limits = {}
+    for path in targets:
+        declared = yaml.safe_load(path.read_text())["max_drift_rate"]
+        assert 0 < declared < 1, path
+        cfg = compose([f"target={path.stem}"], root=REPO)
+        assert cfg.tokenize.max_drift_rate == declared, path.stem
+        limits[path.stem] = declared
+        assert compose([f"target={path.stem}", "tokenize.max_drift_rate=0.5"], root=REPO).tokenize.max_drift_rate == 0.5
+    assert compose(["experiment=kimi-k2.6"], root=REPO).tokenize.max_drift_rate == limits["kimi-k2.6"]
+    assert len(set(limits.values())) > 1, "every target has the same limit: it is not the target's"
