@@ -80,7 +80,8 @@ def finish(cfg, run, staged: StagedOutputDir, meta: dict, speed: dict, lengths) 
     the stage exits 1 (so DVC records nothing) and the message names a meta.json that exists, beside the rows it
     describes; the previous output is gone either way under `dvc repro`, which deletes it before the stage runs."""
     tcfg = cfg.tokenize
-    problems = result_problems(meta, float(tcfg.max_drop_share), float(tcfg.max_drift_rate))
+    problems = result_problems(meta, float(tcfg.max_drop_share), float(tcfg.max_drift_rate),
+                               float(tcfg.max_prompt_mismatch_rate))
     if problems:
         meta = {**meta, "refused": problems}
     (staged.path / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))

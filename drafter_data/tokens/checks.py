@@ -58,9 +58,10 @@ def check_output_dir(out_dir: Path, protected: dict[str, Path | None]) -> None:
                              f"choose an output directory of its own")
 
 
-def result_problems(meta: dict, max_drop_share: float, max_drift_rate: float) -> list[str]:
-    """One phrase per threshold crossed: a drop reason over max_drop_share of the rows read, drift or prompt
-    mismatches over max_drift_rate of the rows compared."""
+def result_problems(meta: dict, max_drop_share: float, max_drift_rate: float, max_prompt_mismatch_rate: float
+                    ) -> list[str]:
+    """One phrase per threshold crossed: a drop reason over max_drop_share of the rows read, drift over
+    max_drift_rate of the rows compared, prompt mismatches over max_prompt_mismatch_rate of the prompts compared."""
     rows, problems = meta["rows"], []
     read = rows.get("read", 0)
     for reason, count in sorted(rows.items()):
@@ -75,8 +76,8 @@ def result_problems(meta: dict, max_drop_share: float, max_drift_rate: float) ->
                         f"rows, {drift['rows_compared']} here) the target sampled more non-canonical splits of its "
                         f"own text than usual; the rows keep the sampled ids")
     prompt = meta["prompt_ids"]
-    if prompt["rate"] > max_drift_rate:
+    if prompt["rate"] > max_prompt_mismatch_rate:
         problems.append(f"{prompt['rows_differ']} of {prompt['rows_compared']} prompts render to other ids than "
-                        f"the server's prompt_token_ids (rate {prompt['rate']:.4f} > {max_drift_rate}): the template "
-                        f"or tokenizer does not match the server's")
+                        f"the server's prompt_token_ids (rate {prompt['rate']:.4f} > tokenize.max_prompt_mismatch_rate="
+                        f"{max_prompt_mismatch_rate}): the template or tokenizer does not match the server's")
     return problems
