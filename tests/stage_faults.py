@@ -15,8 +15,10 @@ from tests.conftest import REPO
 # there (its pid in FAULT_DIR/blocked-<pid>) until FAULT_DIR/go exists, so a test can stop it at a moment it can see.
 # A point wraps module.function, before or after the real call; the wrapper keeps its name (it is pickled to workers).
 DRIVER = r"""
-import importlib, os, runpy, sys, time
+import faulthandler, importlib, os, runpy, signal, sys, time
 from pathlib import Path
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stage that hangs shows every thread's stack (finished())
 
 fault, at, marks = os.environ["FAULT"], os.environ["FAULT_AT"], Path(os.environ["FAULT_DIR"])
 stage, error = sys.argv.pop(1), sys.argv.pop(1)
@@ -83,6 +85,36 @@ class FaultyRun:
             if proc.poll() is None:  # a test that failed before it stopped or released its run
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
+
+
+def finished(proc: subprocess.Popen, timeout: float = 120) -> str:
+    """The stderr of a stage run started by FaultyRun, once it ends. One that does not end within `timeout` fails
+    the test with what it was doing: the processes of its group and every thread's stack (the driver dumps them on
+    SIGUSR1)."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        group = process_group(proc.pid)
+        os.killpg(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        stderr = proc.communicate(timeout=30)[1]
+        raise AssertionError(f"the stage did not end within {timeout} s; its process group:\n{group}\n"
+                             f"stderr (stacks at the end):\n{stderr[-12000:]}") from None
+
+
+def process_group(pgid: int) -> str:
+    """`pid state command` of each live process in the group (from /proc)."""
+    lines = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # after the command: state, ppid, pgrp
+            lines.append(f"{stat.parent.name} {fields[0]} {cmd}")
+    return "\n".join(lines) or "(none left)"
 
 
 def check_a_second_run_is_refused(run_stage, stage: str, args: list[str], out: Path, pid: int, before: dict) -> None:

@@ -11,8 +11,8 @@ import pytest
 
 from drafter_data.errors import StageError
 from tests.conftest import REPO, read_rows
-from tests.stage_faults import (FaultyRun, check_a_second_run_is_refused, dead_pid, kill_a_worker, snapshot,
-                                stop_group_with_sigint, stop_group_with_sigterm, stop_with_sigterm)
+from tests.stage_faults import (FaultyRun, check_a_second_run_is_refused, dead_pid, finished, kill_a_worker,
+                                snapshot, stop_group_with_sigint, stop_group_with_sigterm, stop_with_sigterm)
 
 
 def sources(*paths: Path) -> str:
@@ -130,7 +130,7 @@ def test_a_prepare_stopped_part_way_leaves_the_previous_output_as_it_was(setup, 
     proc = setup.start(fault, at)
     if stop is not None:
         stop(proc, setup.blocked(proc))
-    _, stderr = proc.communicate(timeout=120)
+    stderr = finished(proc)
     assert proc.returncode in codes, stderr[-3000:]
     assert snapshot(setup.out) == setup.before
     assert setup.siblings() == ["prompts"]  # the partial directory was deleted
@@ -165,7 +165,7 @@ def test_a_prepare_replaces_the_output_only_once_complete_and_leaves_no_temp_dir
     assert setup.siblings() == [".prompts.lock", partial.name, "prompts"]
     assert [r["messages"][0]["content"] for r in read_rows(partial)][:1] == ["new question 0"]
     (setup.marks / "go").touch()
-    _, stderr = proc.communicate(timeout=120)
+    stderr = finished(proc)
     assert proc.returncode == 0, stderr[-3000:]
     assert setup.siblings() == ["prompts"]
     assert f"kept 389 prompts in {setup.out}" in stderr
@@ -192,7 +192,7 @@ def test_a_second_prepare_for_the_same_output_is_refused_at_once_and_touches_not
     (pid,) = setup.blocked(proc)
     check_a_second_run_is_refused(run_stage, "prepare", setup.args, setup.out, pid, setup.before)
     (setup.marks / "go").touch()
-    _, stderr = proc.communicate(timeout=120)
+    stderr = finished(proc)
     assert proc.returncode == 0, stderr[-3000:]
     assert setup.siblings() == ["prompts"]  # the lock file went with the run
     assert all(r["messages"][0]["content"].startswith("new ") for r in read_rows(setup.out))
@@ -207,7 +207,7 @@ def test_a_prepare_killed_between_its_two_renames_gets_its_old_output_back(setup
     setup.out.rename(setup.data / f".prompts.old-{pid}")
     (setup.data / f".prompts.partial-{pid}").mkdir()
     proc = setup.start("raise", "pass2")
-    _, stderr = proc.communicate(timeout=120)
+    stderr = finished(proc)
     assert proc.returncode == 1, stderr[-3000:]
     assert snapshot(setup.out) == setup.before
     assert setup.siblings() == ["prompts"]
@@ -222,7 +222,7 @@ def test_an_old_output_killed_while_being_deleted_is_not_put_back(setup):
     setup.out.rename(aside)
     (aside / "stats.json").unlink()  # half deleted
     proc = setup.start("raise", "pass2")
-    _, stderr = proc.communicate(timeout=120)
+    stderr = finished(proc)
     assert proc.returncode == 1, stderr[-3000:]
     assert setup.siblings() == []
 

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, read_rows
-from tests.stage_faults import (FaultyRun, check_a_second_run_is_refused, dead_pid, kill_a_worker, snapshot,
-                                stop_group_with_sigint, stop_group_with_sigterm, stop_with_sigterm)
+from tests.stage_faults import (FaultyRun, check_a_second_run_is_refused, dead_pid, finished, kill_a_worker,
+                                snapshot, stop_group_with_sigint, stop_group_with_sigterm, stop_with_sigterm)
 from tests.test_tokenize import completion_row, kimi_overrides
 
 ROWS = 20  # in row groups of 4: 5 tasks at tokenize.shard_rows=4, for 2 worker processes
@@ -101,7 +101,7 @@ def test_a_tokenize_stopped_part_way_leaves_the_previous_output_as_it_was(setup,
     proc = setup.start(fault, at)
     if stop is not None:
         stop(proc, setup.blocked(proc, n=2 if at == "task" else 1))  # both workers at work
-    _, stderr = proc.communicate(timeout=120)
+    stderr = finished(proc)
     assert proc.returncode in codes, stderr[-3000:]
     if fault == "raise":
         assert stderr.strip().splitlines()[-1] == "error: injected fault"
@@ -127,7 +127,7 @@ def test_a_tokenize_replaces_the_output_only_once_complete_and_leaves_nothing_be
     else:  # the scratch partition is in the staged directory, not in the output
         assert pid != proc.pid and any((partial / ".conversations").glob("part-*.parquet"))
     (setup.marks / "go").touch()
-    _, stderr = proc.communicate(timeout=120)
+    stderr = finished(proc)
     assert proc.returncode == 0, stderr[-3000:]
     assert setup.siblings() == ["tokens"]
     assert f"rows in {setup.out} (" in stderr
@@ -189,6 +189,6 @@ def test_a_second_tokenize_for_the_same_output_is_refused_at_once_and_touches_no
     check_a_second_run_is_refused(run_stage, "tokenize", stage_args(setup.inp, setup.out), setup.out, pid,
                                   setup.before)
     (setup.marks / "go").touch()
-    _, stderr = proc.communicate(timeout=120)
+    stderr = finished(proc)
     assert proc.returncode == 0, stderr[-3000:]
     assert setup.siblings() == ["tokens"] and prompts_of(setup.out) == {"new"}
