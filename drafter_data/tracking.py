@@ -37,6 +37,9 @@ STAGES = ("prepare", "assess", "generate", "tokenize")  # the stages that log a 
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 # The longest a stage waits for MLflow (at an artifact upload or at its end) before going on without waiting again.
 WAIT_S = 120.0
+# A stage stopped by Ctrl-C or SIGTERM waits no longer than this for MLflow to record the run KILLED: the user (or a
+# scheduler's grace period) wants it gone, and a store that does not answer would otherwise hold it up for WAIT_S.
+STOP_WAIT_S = 10.0
 # A run's metrics waiting to be sent are capped (oldest dropped) while the store does not answer.
 MAX_PENDING_METRICS = 100_000
 
@@ -262,10 +265,11 @@ class StageRun:
     def open(self, uri: str, experiment: str, name: str, tags: dict, params: dict, start_ms: int) -> None:
         self._submit(self._open, uri, experiment, name, tags, params, start_ms)
 
-    def close(self, status: str) -> None:
+    def close(self, status: str, stopping: bool = False) -> None:
+        """Ends the run; waits for MLflow up to WAIT_S, or STOP_WAIT_S when the stage is `stopping` (a signal)."""
         self._send_pending()
         self._submit(self._terminate, status, int(time.time() * 1000))
-        self._wait()
+        self._wait(STOP_WAIT_S if stopping else WAIT_S)
 
     # --- the background thread's side
     def _submit(self, fn, *args) -> None:
@@ -278,12 +282,13 @@ class StageRun:
             self._submit(self._log_metrics, batch)
         self._last_flush = time.monotonic()
 
-    def _wait(self) -> None:
+    def _wait(self, wait_s: float | None = None) -> None:
+        wait_s = WAIT_S if wait_s is None else wait_s
         done = threading.Event()
         self._submit(done.set)
-        if not self._stalled and not done.wait(WAIT_S):
+        if not self._stalled and not done.wait(wait_s):
             self._stalled = True
-            self._report("waiting", TimeoutError(f"no answer in {WAIT_S:.0f} s"))
+            self._report("waiting", TimeoutError(f"no answer in {wait_s:g} s"))
 
     def _work(self) -> None:
         while True:
@@ -345,4 +350,4 @@ def stage_run(stage: str, cfg: DictConfig):
         status = "KILLED"
         raise
     finally:
-        run.close(status)
+        run.close(status, stopping=status == "KILLED")

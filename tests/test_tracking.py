@@ -311,3 +311,23 @@ def test_a_stage_that_fails_leaves_a_failed_run_that_started_with_its_process(ml
     assert abs(logged.info.start_time - psutil.Process().create_time() * 1000) < 1100
     assert logged.info.start_time < entered_ms
     assert logged.info.run_name == "tokenize · kimi-k2.6 · thinking=on"
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "a stage that ends by itself after a signal"])
+def test_a_stopped_stage_waits_only_briefly_for_a_store_that_never_answers(monkeypatch, how):
+    """Stopping (Ctrl-C, SIGTERM) waits STOP_WAIT_S for MLflow to record KILLED, not WAIT_S; finishing still waits."""
+    monkeypatch.setattr(tracking, "WAIT_S", 30.0)
+    monkeypatch.setattr(tracking, "STOP_WAIT_S", 0.3)
+    monkeypatch.setattr(tracking.StageRun, "_open", lambda self, *args: time.sleep(3600))  # the store never answers
+    started = time.monotonic()
+    with contextlib.suppress(KeyboardInterrupt):
+        with tracking.stage_run("prepare", cfg()) as run:
+            if how == "Ctrl-C":
+                raise KeyboardInterrupt
+            run.stopped_by_signal = True
+    assert time.monotonic() - started < 10
+    monkeypatch.setattr(tracking, "WAIT_S", 1.0)
+    started = time.monotonic()
+    with tracking.stage_run("prepare", cfg()):
+        pass
+    assert time.monotonic() - started >= 1.0  # a stage that finished waits the whole WAIT_S
