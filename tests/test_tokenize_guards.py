@@ -38,6 +38,19 @@ def test_a_drop_reason_over_max_drop_share_fails_after_writing_meta(run_stage, t
     run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out"))
 
 
+@pytest.mark.parametrize("limit", ["tokenize.max_prompt_mismatch_rate=2", "tokenize.max_drift_rate=null",
+                                   "~tokenize.max_prompt_mismatch_rate"])
+def test_a_limit_that_is_not_a_share_fails_before_any_work(run_stage, tmp_path, limit):
+    """e.g. a params.yaml composed before max_prompt_mismatch_rate existed: one line at the start, not a traceback
+    after every row was tokenized."""
+    inp = write_completions(tmp_path / "in", rows_with_finish("stop"))
+    proc = run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out"), limit, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    key = limit.lstrip("~").split("=")[0]
+    assert proc.returncode == 1 and f"{key}=" in last and "share from 0 to 1" in last, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
 class FlakyTokenizerServer:
     """Answers llama-server's /props and the first `answers` /tokenize calls, then fails every request (HTTP 503)."""
 

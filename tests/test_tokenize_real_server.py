@@ -23,7 +23,7 @@ def expected_answer(row: dict) -> str:
     first) the close of the think block, the answer and, for a finished answer, the end of turn."""
     if row["finish_reason"] == "length" and not row["content"]:
         return row["reasoning"]
-    answer = row["reasoning"] + "\n</think>\n\n" + row["content"].strip()
+    answer = row["reasoning"] + "</think>\n" + row["content"].strip()
     return answer + ("<end_of_turn>\n" if row["finish_reason"] == "stop" else "")
 
 

@@ -17,10 +17,20 @@ POLICIES = {"overlength": ("drop", "truncate"), "on_length_finish": ("keep", "dr
             "on_mask_token_text": ("escape", "drop"), "rows": ("per_turn", "conversation")}
 
 
+LIMITS = ("max_drop_share", "max_drift_rate", "max_prompt_mismatch_rate")
+
+
 def check_policies(tcfg) -> None:
+    """The policies and the result's limits, before any work (a params.yaml composed before a limit existed fails
+    here, not after tokenizing everything)."""
     for key, allowed in POLICIES.items():
         if tcfg.get(key, allowed[0]) not in allowed:
             raise StageError(f"tokenize.{key}={tcfg[key]!r}: choose one of {', '.join(allowed)}")
+    for key in LIMITS:
+        value = tcfg.get(key)
+        if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise StageError(f"tokenize.{key}={value!r}: set a share from 0 to 1 (missing from an older params.yaml? "
+                             f"recompose it: python scripts/compose_params.py)")
 
 
 def _unique(path: Path, column: str) -> set:
