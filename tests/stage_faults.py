@@ -19,6 +19,9 @@ import faulthandler, importlib, os, runpy, signal, sys, time
 from pathlib import Path
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stage that hangs shows every thread's stack (finished())
+# Ctrl-C as a terminal delivers it: a test suite started in the background (`cmd &`, a CI runner) starts its children
+# with SIGINT ignored, and Python keeps it ignored, so a stage stopped "by Ctrl-C" would never see it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 fault, at, marks = os.environ["FAULT"], os.environ["FAULT_AT"], Path(os.environ["FAULT_DIR"])
 stage, error = sys.argv.pop(1), sys.argv.pop(1)
