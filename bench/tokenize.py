@@ -12,13 +12,24 @@ writing alone (what no tokenize can skip) against raw, and raw tiktoken in two p
 every row the server's prompt and sampled ids (as vLLM returns them): the stage keeps them and retokenizes the answer
 to measure drift.
 
+Seconds on a shared machine move by 10-20% from one minute to the next, raw's too. `--instructions` counts instead
+(valgrind's callgrind; about 3 minutes): the instructions a worker executes per token (exactly a worker's work:
+the stage's own task plan and task function, reading, rendering, tokenizing, writing shards) against raw
+`encode_ordinary`'s per token, each the difference between a run over ROWS_LARGE and one over ROWS_SMALL rows, so
+imports, loading and first calls cancel out. The same figure on every run to about 1%, whatever else the machine
+does; what it cannot see is how fast each instruction runs (caches shared by two workers, the clock).
+
     .venv/bin/python bench/tokenize.py [--rows 20000] [--runs 3] [--ids]
+    .venv/bin/python bench/tokenize.py --instructions
 """
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -119,13 +130,13 @@ def floor_tokens_per_s(conv, texts: list[str]) -> float:
 
     import pyarrow.parquet as pq
 
-    from drafter_data.tokens.rows import TokenRow, tokens_table
+    from drafter_data.tokens.rows import TOKENS_WRITE_OPTIONS, TokenRow, tokens_table
 
     tokens, t0 = 0, time.perf_counter()
     for k in range(0, len(texts), 2000):
         rows = [TokenRow("p", 0, True, conv.tokenizer.encode_chat_np(t), [(0, 1)], []) for t in texts[k:k + 2000]]
         tokens += sum(len(r.ids) for r in rows)
-        pq.write_table(tokens_table(rows), io.BytesIO(), use_dictionary=False, write_statistics=False)
+        pq.write_table(tokens_table(rows), io.BytesIO(), compression="zstd", **TOKENS_WRITE_OPTIONS)
     return tokens / (time.perf_counter() - t0)
 
 
@@ -175,14 +186,99 @@ def run_stage(tmp: Path, run: int, env: dict) -> dict:
             "drift": meta["drift"], "peak_rss_mb": peak_kb / 1024}
 
 
+ROWS_SMALL, ROWS_LARGE = 100, 400
+# callgrind_annotate --inclusive lines: "  1,173,730,555 (23.23%)  ???:<tiktoken::CoreBPE>::__pymethod_encode..."
+ANNOTATED = re.compile(r"^\s*([\d,]+) \(.*?\)\s+(.*)$", re.M)
+PARTS = {"tiktoken": "<tiktoken::CoreBPE>::__pymethod_encode", "Parquet writing": "FileWriterImpl::WriteTable("}
+
+
+def count_run(kind: str, directory: Path) -> None:
+    """The process callgrind counts (--count): one worker's work over directory/in (worker), or raw
+    encode_ordinary over the same rows' rendered texts (raw); prints the tokens."""
+    if kind == "raw":
+        enc = conversation_tokenizer().tokenizer._enc
+        texts = pickle.loads((directory / "texts.pickle").read_bytes())  # a copy per text: cheaper than JSON
+        print(sum(len(enc.encode_ordinary(t)) for t in texts))
+        return
+    from collections import Counter
+
+    from drafter_data.config import compose
+    from drafter_data.tokens.rows import init_worker, tokenize_task
+    from stages.tokenize import input_shards, plan_tasks, worker_settings
+
+    out = directory / "out"
+    out.mkdir()
+    cfg = compose(["target=kimi-k2.6", f"target.tokenizer_dir={KIMI}", f"tokenize.input={directory / 'in'}",
+                   f"tokenize.output={out}", "tokenize.max_length=100000"])
+    settings = worker_settings(cfg, out)
+    init_worker(settings)
+    counts = Counter()
+    for task in plan_tasks(input_shards(directory / "in"), out, settings):
+        counts.update(tokenize_task(task)[0])
+    print(counts["tokens"])
+
+
+def counted(kind: str, directory: Path) -> dict:
+    """Instructions of one --count process under callgrind: in all, and inclusive in each of PARTS."""
+    profile = directory / f"callgrind.{kind}"
+    done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={profile}", sys.executable,
+                           __file__, "--count", kind, str(directory)], capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        sys.exit(f"callgrind run failed ({kind}, {directory}):\n{done.stderr[-3000:]}")
+    total = int(re.search(r"Collected : (\d+)", done.stderr).group(1))
+    annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", str(profile)], capture_output=True,
+                               text=True).stdout
+    parts = {name: max((int(n.replace(",", "")) for n, symbol in ANNOTATED.findall(annotated) if mark in symbol),
+                       default=0) for name, mark in PARTS.items()}
+    return {"instructions": total, "tokens": int(done.stdout.split()[-1]), **parts}
+
+
+def instruction_counts() -> None:
+    from concurrent.futures import ThreadPoolExecutor  # after sys.path's fix: it imports the stdlib tokenize
+
+    if not shutil.which("valgrind"):
+        sys.exit("--instructions needs valgrind (Debian: apt-get install valgrind)")
+    conv = conversation_tokenizer()
+    rows = build_rows(ROWS_LARGE)
+    with tempfile.TemporaryDirectory(prefix="bench-tokenize-count-") as tmp:
+        runs = []
+        for n in (ROWS_SMALL, ROWS_LARGE):
+            directory = Path(tmp) / str(n)
+            directory.mkdir()
+            write_completions(rows[:n], directory / "in")
+            (directory / "texts.pickle").write_bytes(pickle.dumps(rendered_texts(conv, rows[:n])))
+            runs += [("worker", directory), ("raw", directory)]
+        print(f"counting instructions under callgrind: a worker and raw encode_ordinary over {ROWS_SMALL} and "
+              f"{ROWS_LARGE} rows (about 3 minutes)", flush=True)
+        with ThreadPoolExecutor(2) as pool:
+            worker_small, raw_small, worker_large, raw_large = pool.map(lambda run: counted(*run), runs)
+
+    def per_token(large: dict, small: dict, key: str = "instructions") -> float:
+        return (large[key] - small[key]) / (large["tokens"] - small["tokens"])
+
+    worker, raw = per_token(worker_large, worker_small), per_token(raw_large, raw_small)
+    parts = ", ".join(f"{name} {per_token(worker_large, worker_small, name) / worker:.0%}" for name in PARTS)
+    print(f"instructions per token, rows {ROWS_SMALL} -> {ROWS_LARGE}: worker {worker:,.0f} ({parts}), raw "
+          f"encode_ordinary {raw:,.0f} (its tiktoken call {per_token(raw_large, raw_small, 'tiktoken'):,.0f}); "
+          f"per core, in instructions: {raw / worker:.2f}x raw (repeatable to about 1%)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--ids", action="store_true", help="rows carry the server's prompt and sampled ids")
+    parser.add_argument("--instructions", action="store_true", help="count instructions (callgrind) instead")
+    parser.add_argument("--count", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not KIMI.exists():
         sys.exit(f"missing {KIMI}: the benchmark uses ../shared's Kimi tokenizer files")
+    if args.count:
+        count_run(args.count[0], Path(args.count[1]))
+        return
+    if args.instructions:
+        instruction_counts()
+        return
     conv = conversation_tokenizer()
     rows = build_rows(args.rows)
     if args.ids:

@@ -1,5 +1,7 @@
 """The tokenize stage reproduces the official Kimi K2.6 tokenization (goldens made with the reference code)."""
 import json
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -259,3 +261,31 @@ def test_prepare_drops_prompts_over_max_prompt_tokens_for_the_target(run_stage, 
                   "target=kimi-k2.6", f"target.tokenizer_dir={KIMI_DIR}", f"prepare.max_prompt_tokens={limit}")
         stats = json.loads((out / "stats.json").read_text())["p"]
         assert stats["kept"] == kept and stats["dropped"].get("too_many_tokens", 0) == 2 - kept
+
+
+def test_a_worker_task_never_imports_pandas(tmp_path):
+    """pa.array imports pandas (0.3-0.5 s of CPU) in each worker, inside the tokenizing window: a worker's task builds
+    its Arrow columns from buffers instead. Checked in a fresh process doing exactly a worker's work."""
+    require_shared(KIMI_DIR)
+    rows = [completion_row(f"p{i}", [{"role": "user", "content": f"question {i}"},
+                                     {"role": "assistant", "content": f"answer {i}", "reasoning_content": "why " * i}])
+            for i in range(5)]
+    inp = write_completions(tmp_path / "in", rows)
+    (tmp_path / "out").mkdir()
+    script = f"""
+import json, sys
+from drafter_data.config import compose
+from stages.tokenize import plan_tasks, worker_settings
+from drafter_data.tokens.rows import init_worker, tokenize_task
+cfg = compose({kimi_overrides(inp, tmp_path / "out")!r})
+settings = worker_settings(cfg, {str(tmp_path / "out")!r})
+init_worker(settings)
+counts = sum((tokenize_task(task)[0] for task in plan_tasks([{str(inp / "completions-00000.parquet")!r}],
+                                                             {str(tmp_path / "out")!r}, settings)), start=Counter())
+print(json.dumps({{"kept": counts["kept"], "pandas": "pandas" in sys.modules}}))
+"""
+    done = subprocess.run([sys.executable, "-c", "from collections import Counter\n" + script], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"kept": 5, "pandas": False}
+    assert len(read_rows(tmp_path / "out")) == 5

@@ -21,7 +21,7 @@ from drafter_data.errors import StageError
 from drafter_data.prompts.accounts import Accounts
 from drafter_data.prompts.candidate import (PLAIN_DIGEST_TAIL, SHAREGPT_FORMATS, normalize_record,
                                             plain_digest_hasher, plain_first_turn, plain_prompt_digest)
-from drafter_data.prompts.columns import repeated_string, string_array
+from drafter_data.arrow_columns import repeated_string, string_array
 from drafter_data.prompts.malformed import Malformed
 from drafter_data.prompts.items import BadRecord, parse_error, raw_text
 from drafter_data.prompts.records import (DEFAULT_MAX_RECORD_BYTES, is_json_list, jsonl_blocks, line_ranges,

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
+from drafter_data.arrow_columns import numpy_array, string_array
 from drafter_data.contract import TOKENS, write_table_atomic
 from drafter_data.errors import StageError
 from drafter_data.tokens.columns import COLUMNS, turns_from_batch
@@ -28,6 +29,10 @@ from drafter_data.tokens.turns import Dropped, Turn, answer_ids, compare_prompt,
     turn_texts
 
 FINISH_REASONS = ("stop", "length", "tool_calls")
+# token ids are near-unique per row: dictionary encoding and statistics cost 5x the write and gain nothing; levels
+# and values go to the writer in batches of 64k instead of 1k (about 15% less CPU time for the write, measured
+# interleaved; pages stay about 1 MB)
+TOKENS_WRITE_OPTIONS = {"use_dictionary": False, "write_statistics": False, "write_batch_size": 65536}
 MAX_WARNINGS = 3  # per worker: one bad row is worth a line, two thousand are worth a count
 _worker: dict = {}
 
@@ -169,7 +174,8 @@ def warn(message: str) -> None:
 
 
 def tokens_table(rows: list[TokenRow]) -> pa.Table:
-    """Flat numpy buffers, not Python lists of lists: the conversion would cost as much as the tokenizing."""
+    """Flat numpy buffers, not Python lists of lists: the conversion would cost as much as the tokenizing (and
+    not pa.array: see arrow_columns)."""
     lengths = np.fromiter((len(r.ids) for r in rows), dtype=np.int32, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -179,11 +185,12 @@ def tokens_table(rows: list[TokenRow]) -> pa.Table:
         for a, b in row.spans:
             mask[begin + a: begin + b] = 1
     loss = np.fromiter((sum(b - a for a, b in r.spans) for r in rows), dtype=np.int32, count=len(rows))
-    pa_offsets = pa.array(offsets)
-    return pa.table([pa.array([r.prompt_id for r in rows], pa.string()), pa.array([r.turn for r in rows], pa.int32()),
-                     pa.ListArray.from_arrays(pa_offsets, pa.array(ids)),
-                     pa.ListArray.from_arrays(pa_offsets, pa.array(mask)), pa.array(lengths), pa.array(loss)],
-                     schema=TOKENS)
+    turns = np.fromiter((r.turn for r in rows), dtype=np.int32, count=len(rows))
+    pa_offsets = numpy_array(offsets, pa.int32())
+    return pa.table([string_array([r.prompt_id for r in rows]), numpy_array(turns, pa.int32()),
+                     pa.ListArray.from_arrays(pa_offsets, numpy_array(ids, pa.int32())),
+                     pa.ListArray.from_arrays(pa_offsets, numpy_array(mask, pa.int8())),
+                     numpy_array(lengths, pa.int32()), numpy_array(loss, pa.int32())], schema=TOKENS)
 
 
 class ShardWriter:
@@ -206,9 +213,8 @@ class ShardWriter:
         if not self.rows:
             return
         rows, self.rows = self.rows, []
-        # token ids are near-unique per row: dictionary encoding and statistics cost 5x the write, gain nothing
         write_table_atomic(tokens_table(rows), self.out_dir / f"tokens-{self.name}-{self.shards:04d}.parquet",
-                           use_dictionary=False, write_statistics=False)
+                           **TOKENS_WRITE_OPTIONS)
         self.shards += 1
         self.counts["rows_out"] += len(rows)
         self.counts["tokens"] += sum(len(r.ids) for r in rows)

@@ -1,7 +1,8 @@
-"""Arrow columns built from Python lists through their buffers.
+"""Arrow columns built through their buffers, for prepare's and tokenize's worker processes.
 
-`pa.array(list)` makes pyarrow import pandas (when installed: it asks whether the list is a DataFrame), about 0.5 s
-of CPU in every pass-1 worker, and converts element by element; building the buffers directly needs neither.
+`pa.array(...)` on a list or a numpy array makes pyarrow import pandas (when installed: it asks whether the values
+are a DataFrame), about 0.3-0.5 s of CPU once in every worker, and converts a list element by element; building the
+buffers directly needs neither.
 """
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def string_array(values: list) -> pa.Array:
     np.cumsum(full, out=offsets[1:])
     bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data), bitmap, n - len(present))
+
+
+NUMPY_TYPES = {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64}
+
+
+def numpy_array(values: np.ndarray, type_: pa.DataType) -> pa.Array:
+    """A 1-d numpy array as an Arrow array of an integer type (zero-copy where the dtype is already that type)."""
+    values = np.ascontiguousarray(values, dtype=NUMPY_TYPES[type_])
+    return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(values)])
 
 
 def repeated_string(value: str, n: int) -> pa.Array:
