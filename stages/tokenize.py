@@ -38,7 +38,8 @@ from drafter_data.tokens.checks import (OUTPUT_MARKERS, check_consistency, check
 from drafter_data.tokens.lengths import LengthHistograms
 from drafter_data.tokens.regroup import partition_by_conversation
 from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
-from drafter_data.tokens.rows import init_worker, tokenize_task, worker_conversation, worker_settings_loaded
+from drafter_data.tokens.rows import (first_examples, init_worker, tokenize_task, worker_conversation,
+                                      worker_settings_loaded)
 from drafter_data.tracking import stage_run
 from drafter_data.worker_processes import FORKED, worker_processes
 
@@ -67,10 +68,10 @@ def main(cfg) -> int:
             with task_map(int(tcfg.get("workers") or 1), root is not None, len(tasks)) as map_tasks, \
                     stage_run("tokenize", cfg) as run:
                 run.settle(max_s=10)
-                counts, lengths = tokenize_all(map_tasks, tasks, settings["max_length"])
+                counts, lengths, examples = tokenize_all(map_tasks, tasks, settings["max_length"])
                 shutil.rmtree(staged.path / ".conversations", ignore_errors=True)
-                finish(cfg, run, staged, metadata(cfg, settings, worker_conversation(), counts), throughput(counts),
-                       lengths)
+                finish(cfg, run, staged, metadata(cfg, settings, worker_conversation(), counts, examples),
+                       throughput(counts), lengths)
     return 0
 
 
@@ -86,7 +87,8 @@ def finish(cfg, run, staged: StagedOutputDir, meta: dict, speed: dict, lengths) 
         meta = {**meta, "refused": problems}
     (staged.path / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
     out_dir = staged.commit()
-    print("\n".join(summary_lines(meta, speed, out_dir, float(tcfg.max_drift_rate))), file=sys.stderr)
+    print("\n".join(summary_lines(meta, speed, out_dir, float(tcfg.max_drift_rate),
+                                  float(tcfg.max_prompt_mismatch_rate))), file=sys.stderr)
     log_run(run, meta, speed, out_dir, lengths,
             estimated_reasoning=getattr(worker_conversation().tokenizer, "think_end_id", None) is None)
     if problems:
@@ -153,18 +155,20 @@ def plan_tasks(in_paths: list[Path], out_dir: Path, settings: dict) -> list[tupl
     return tasks
 
 
-def tokenize_all(map_tasks, tasks: list, max_length: int) -> tuple[Counter, LengthHistograms]:
+def tokenize_all(map_tasks, tasks: list, max_length: int) -> tuple[Counter, LengthHistograms, dict]:
     """Every task through tokenize_task; returns the summed counts (with the tokenizing window and the workers'
-    busy time, in ms) and the length histograms."""
-    counts, lengths = Counter(read=0, kept=0), LengthHistograms(max_length)
+    busy time, in ms), the length histograms and the first named rows of each comparison."""
+    counts, lengths, examples = Counter(read=0, kept=0), LengthHistograms(max_length), {}
     first, last = float("inf"), 0.0
-    for task_counts, task_lengths, (start, end) in map_tasks(tokenize_task, tasks):
+    for task_counts, task_lengths, (start, end), task_examples in map_tasks(tokenize_task, tasks):
         counts.update(task_counts)
         lengths.merge(task_lengths)
+        for name, found in task_examples.items():
+            examples[name] = first_examples([examples.get(name, []), found])
         first, last = min(first, start), max(last, end)
         counts["time.busy_ms"] += round((end - start) * 1000)
     counts["time.window_ms"] = round(max(0.0, last - first) * 1000)
-    return counts, lengths
+    return counts, lengths, examples
 
 
 @contextmanager

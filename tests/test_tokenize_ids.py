@@ -97,7 +97,8 @@ def test_sampled_ids_are_kept_with_a_non_canonical_split_and_drift_counts_them(r
     meta = meta_of(tmp_path / "out")
     assert meta["drift"]["rows_compared"] == 6 and meta["drift"]["rows_differ"] == 2
     assert meta["drift"]["tokens_differ"] == 4 and meta["drift"]["rate"] == pytest.approx(2 / 6)
-    assert meta["prompt_ids"] == {"rows_compared": 6, "rows_differ": 0, "rate": 0.0}
+    assert meta["drift"]["first_rows_differ"] == [{"prompt_id": "r0", "turn": 0}, {"prompt_id": "r3", "turn": 0}]
+    assert meta["prompt_ids"] == {"rows_compared": 6, "rows_differ": 0, "rate": 0.0, "first_rows_differ": []}
 
 
 def prompt_ids_of(conv, row) -> list[int]:
@@ -119,6 +120,29 @@ def test_drift_over_the_limit_exits_non_zero_after_writing_meta(run_stage, tmp_p
     run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out2"), "tokenize.max_drift_rate=0.1")
 
 
+def test_the_first_drifting_rows_are_named_whatever_the_order_tasks_ran_in(run_stage, tmp_path, kimi):
+    """Rows spread over tasks of 3 rows on 2 workers: meta.json names the first 10 drifting rows by (prompt_id,
+    turn), the same on every run; the summary names the first 3."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok, _ = kimi
+    drifting = {f"r{i:02d}" for i in range(30) if i % 3 != 1}  # 20 of 30, in every task
+    rows = [completion_row(pid, QUESTION + [{"role": "assistant", "content": CONTENT, "reasoning_content": REASONING}],
+                           completion_token_ids=split_one_token(tok, sampled(tok, REASONING, CONTENT))
+                           if pid in drifting else sampled(tok, REASONING, CONTENT))
+            for pid in reversed([f"r{i:02d}" for i in range(30)])]  # read last-first: the names are still sorted
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in" / "completions-00000.parquet", row_group_size=3)
+    first = [{"prompt_id": pid, "turn": 0} for pid in sorted(drifting)[:10]]
+    for run in range(2):
+        proc = run_stage("tokenize", *kimi_overrides(tmp_path / "in", tmp_path / f"out{run}"),
+                         "tokenize.max_drift_rate=1", "tokenize.shard_rows=3", "tokenize.workers=2")
+        drift = meta_of(tmp_path / f"out{run}")["drift"]
+        assert drift["rows_differ"] == 20 and drift["first_rows_differ"] == first
+        assert "first: r00 turn 0, r02 turn 0, r03 turn 0 (more in meta.json)" in proc.stderr
+
+
 def test_prompt_ids_are_the_servers_and_a_mismatch_is_counted(run_stage, tmp_path, kimi):
     tok, conv = kimi
     prompt_ids = conv.prompt_ids(QUESTION)
@@ -130,8 +154,10 @@ def test_prompt_ids_are_the_servers_and_a_mismatch_is_counted(run_stage, tmp_pat
     out = {r["prompt_id"]: r for r in read_rows(tmp_path / "out")}
     assert out["other"]["input_ids"][:len(other)] == other and out["other"]["loss_mask"].index(1) == len(other)
     assert out["same"]["input_ids"][:len(prompt_ids)] == prompt_ids
-    assert meta_of(tmp_path / "out")["prompt_ids"] == {"rows_compared": 2, "rows_differ": 1, "rate": 0.5}
-    assert "prompt ids: 1 of 2 prompts" in proc.stderr
+    assert meta_of(tmp_path / "out")["prompt_ids"] == {"rows_compared": 2, "rows_differ": 1, "rate": 0.5,
+                                                      "first_rows_differ": [{"prompt_id": "other", "turn": 0}]}
+    assert "prompt ids: 1 of 2 prompts render to other ids than the server's (rate 0.5000, limit 0.6); first: " \
+           "other turn 0" in proc.stderr
     # rendering is not sampled: a target's looser drift limit (the embedded Gemma's) does not loosen this one
     proc = run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out2"), "tokenize.max_drift_rate=0.6", check=False)
     last = proc.stderr.strip().splitlines()[-1]

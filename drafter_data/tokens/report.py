@@ -24,7 +24,15 @@ def thinking_mode(on: int, off: int, configured: bool) -> bool | str:
     return bool(on) if on or off else configured
 
 
-def metadata(cfg, settings: dict, conv: ConversationTokenizer, counts: Counter) -> dict:
+def named_rows(examples: list) -> list[dict]:
+    return [{"prompt_id": prompt_id, "turn": turn} for prompt_id, turn in examples]
+
+
+def metadata(cfg, settings: dict, conv: ConversationTokenizer, counts: Counter, examples: dict | None = None
+             ) -> dict:
+    """examples: the first rows (by prompt_id, turn) of each comparison that differed, by name (drift,
+    prompt_ids)."""
+    examples = examples or {}
     tokenizer = conv.tokenizer
     compared, differ = counts["drift.rows_compared"], counts["drift.rows_differ"]
     return {
@@ -50,9 +58,11 @@ def metadata(cfg, settings: dict, conv: ConversationTokenizer, counts: Counter) 
         "loss_tokens": counts["loss_tokens"],
         "drift": {"rows_compared": compared, "rows_differ": differ, "tokens_differ": counts["drift.tokens_differ"],
                   "rate": _rate(differ, compared), "rows_text_cut_short": counts["drift.rows_text_cut_short"],
-                  "tokens_text_cut_short": counts["drift.tokens_text_cut_short"]},
+                  "tokens_text_cut_short": counts["drift.tokens_text_cut_short"],
+                  "first_rows_differ": named_rows(examples.get("drift", []))},
         "prompt_ids": {"rows_compared": counts["prompt.rows_compared"], "rows_differ": counts["prompt.rows_differ"],
-                       "rate": _rate(counts["prompt.rows_differ"], counts["prompt.rows_compared"])},
+                       "rate": _rate(counts["prompt.rows_differ"], counts["prompt.rows_compared"]),
+                       "first_rows_differ": named_rows(examples.get("prompt_ids", []))},
     }
 
 
@@ -64,7 +74,16 @@ def throughput(counts: Counter) -> dict:
             "tokens_per_worker_s": counts["tokens"] / busy if busy else 0.0}
 
 
-def summary_lines(meta: dict, speed: dict, out_dir: Path, max_drift_rate: float) -> list[str]:
+def _first(named: list[dict]) -> str:
+    """'; first: p1 turn 0, p7 turn 2' (at most 3), or nothing."""
+    if not named:
+        return ""
+    return "; first: " + ", ".join(f"{r['prompt_id']} turn {r['turn']}" for r in named[:3]) + \
+        (" (more in meta.json)" if len(named) > 3 else "")
+
+
+def summary_lines(meta: dict, speed: dict, out_dir: Path, max_drift_rate: float,
+                  max_prompt_mismatch_rate: float) -> list[str]:
     rows, drift, prompt = meta["rows"], meta["drift"], meta["prompt_ids"]
     outcome = ", ".join(f"{k}={v}" for k, v in rows.items())
     lines = [f"tokenized {rows.get('kept', 0)} of {rows.get('read', 0)} rows into {meta['output_rows']} "
@@ -74,7 +93,7 @@ def summary_lines(meta: dict, speed: dict, out_dir: Path, max_drift_rate: float)
     if drift["rows_compared"]:
         lines.append(f"drift: {drift['rows_differ']} of {drift['rows_compared']} rows with the server's sampled ids "
                      f"retokenize differently ({drift['tokens_differ']} tokens; rate {drift['rate']:.4f}, limit "
-                     f"{max_drift_rate}); the rows keep the sampled ids")
+                     f"{max_drift_rate}); the rows keep the sampled ids{_first(drift['first_rows_differ'])}")
         if drift["rows_text_cut_short"]:
             lines.append(f"drift: {drift['rows_text_cut_short']} length rows' text stops {drift['tokens_text_cut_short']}"
                          f" tokens before their ids (the server kept back the text of its last tokens at the cut; "
@@ -83,7 +102,8 @@ def summary_lines(meta: dict, speed: dict, out_dir: Path, max_drift_rate: float)
         lines.append("drift: no rows carry the server's sampled ids (retokenized from text)")
     if prompt["rows_compared"]:
         lines.append(f"prompt ids: {prompt['rows_differ']} of {prompt['rows_compared']} prompts render to other ids "
-                     f"than the server's (rate {prompt['rate']:.4f})")
+                     f"than the server's (rate {prompt['rate']:.4f}, limit {max_prompt_mismatch_rate})"
+                     f"{_first(prompt['first_rows_differ'])}")
     lines.append(f"throughput: {speed['tokens_per_s'] / 1e6:.2f} M tokens/s over {speed['tokenize_window_s']:.2f} s "
                  f"of tokenizing, {speed['tokens_per_worker_s'] / 1e6:.2f} M per busy worker-second")
     return lines
@@ -95,8 +115,8 @@ def log_run(run, meta: dict, speed: dict, out_dir: Path, lengths: LengthHistogra
     run.metrics({**{f"rows.{k}": v for k, v in meta["rows"].items()}, "tokens": meta["tokens"],
                  "loss_tokens": meta["loss_tokens"], "output_rows": meta["output_rows"],
                  "tokens_per_row_mean": meta["tokens"] / meta["output_rows"] if meta["output_rows"] else 0.0,
-                 **{f"drift.{k}": v for k, v in meta["drift"].items()},
-                 **{f"prompt_ids.{k}": v for k, v in meta["prompt_ids"].items()},
+                 **{f"drift.{k}": v for k, v in meta["drift"].items() if k != "first_rows_differ"},
+                 **{f"prompt_ids.{k}": v for k, v in meta["prompt_ids"].items() if k != "first_rows_differ"},
                  **{f"thinking_rows.{k}": v for k, v in meta["thinking_rows"].items()}, **speed})
     run.artifact(out_dir / "meta.json")
     if meta["output_rows"]:

@@ -3,7 +3,9 @@ its own input (one row group of a completions shard, or one partition of whole c
 shards, and sends back only counts and fixed-size histograms.
 
 Every row read is counted once: `kept`, or `dropped.<reason>`. Flags beside them (`finish_length`,
-`mask_text_escaped`, `over_max_length`, `truncated`) say what was done to kept rows.
+`mask_text_escaped`, `over_max_length`, `truncated`) say what was done to kept rows. The rows whose sampled ids
+retokenize differently (drift) or whose prompt renders to other ids than the server's are named too, the first
+MAX_EXAMPLES of each by (prompt_id, turn): a rate that rises is then read off real rows.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ FINISH_REASONS = ("stop", "length", "tool_calls")
 # and values go to the writer in batches of 64k instead of 1k (about 15% less CPU time for the write, measured
 # interleaved; pages stay about 1 MB)
 TOKENS_WRITE_OPTIONS = {"use_dictionary": False, "write_statistics": False, "write_batch_size": 65536}
+MAX_EXAMPLES = 10  # named rows per comparison (drift, prompt ids), in meta.json
+EXAMPLE_COUNTS = {"drift": "drift.rows_differ", "prompt_ids": "prompt.rows_differ"}
 MAX_WARNINGS = 3  # per worker: one bad row is worth a line, two thousand are worth a count
 _worker: dict = {}
 
@@ -142,10 +146,22 @@ def apply_policies(row: TokenRow, conv: ConversationTokenizer, settings: dict, c
     return row
 
 
-def build_row(group: list[Turn], counts: Counter) -> TokenRow | None:
-    """One training row from one turn (per_turn) or one conversation's turns; None when dropped (counted)."""
+def build_row(group: list[Turn], counts: Counter, examples: dict[str, list] | None = None) -> TokenRow | None:
+    """One training row from one turn (per_turn) or one conversation's turns; None when dropped (counted). The row
+    goes into examples[name] when it raised that comparison's count."""
     conv, settings = _worker["conv"], _worker["settings"]
     counts["read"] += len(group)
+    before = {name: counts[key] for name, key in EXAMPLE_COUNTS.items()}
+    try:
+        return _built_row(group, conv, settings, counts)
+    finally:
+        if examples is not None:
+            for name, key in EXAMPLE_COUNTS.items():
+                if counts[key] > before[name]:
+                    examples[name].append((group[-1].prompt_id, group[-1].turn))
+
+
+def _built_row(group: list[Turn], conv: ConversationTokenizer, settings: dict, counts: Counter) -> TokenRow | None:
     try:
         for turn in group:
             check_finish(turn, settings, counts)
@@ -202,6 +218,7 @@ class ShardWriter:
         self.shards = 0
         self.counts = Counter()
         self.lengths = LengthHistograms(settings["max_length"])
+        self.examples: dict[str, list] = {name: [] for name in EXAMPLE_COUNTS}
 
     def add(self, row: TokenRow | None) -> None:
         if row is not None:
@@ -243,9 +260,15 @@ def input_turns(pieces: list[tuple[str, int | None]], settings: dict):
             yield from turns_from_batch(batch, settings["thinking"])
 
 
-def tokenize_task(task: tuple[str, list[tuple[str, int | None]]]) -> tuple[Counter, LengthHistograms, tuple]:
+def first_examples(lists) -> list[tuple[str, int]]:
+    """The first MAX_EXAMPLES (prompt_id, turn) of several lists: the same whatever the order tasks ran in."""
+    return sorted({example for examples in lists for example in examples})[:MAX_EXAMPLES]
+
+
+def tokenize_task(task: tuple[str, list[tuple[str, int | None]]]
+                  ) -> tuple[Counter, LengthHistograms, tuple, dict[str, list]]:
     """One task -> its shards, written by the worker itself (results never travel back as lists); also when it
-    started and ended (wall clock, for the throughput past start-up)."""
+    started and ended (wall clock, for the throughput past start-up) and its first named rows."""
     start = time.time()
     name, pieces = task
     settings = _worker["settings"]
@@ -256,6 +279,7 @@ def tokenize_task(task: tuple[str, list[tuple[str, int | None]]]) -> tuple[Count
     else:
         groups = ([turn] for turn in turns)
     for group in groups:
-        writer.add(build_row(group, writer.counts))
+        writer.add(build_row(group, writer.counts, writer.examples))
     writer.flush()
-    return writer.counts, writer.lengths, (start, time.time())
+    examples = {name: first_examples([found]) for name, found in writer.examples.items()}
+    return writer.counts, writer.lengths, (start, time.time()), examples
