@@ -1,8 +1,9 @@
 """Arrow columns built through their buffers, for prepare's and tokenize's worker processes.
 
 `pa.array(...)` on a list or a numpy array makes pyarrow import pandas (when installed: it asks whether the values
-are a DataFrame), about 0.3-0.5 s of CPU once in every worker, and converts a list element by element; building the
-buffers directly needs neither.
+are a DataFrame), about 0.3-0.5 s of CPU in a process that has not imported it yet (a worker forked before anything
+imported pandas, as tokenize's and prepare's are, or a spawned one), and converts a list element by element; building
+the buffers directly needs neither.
 """
 from __future__ import annotations
 

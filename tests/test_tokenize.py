@@ -79,7 +79,7 @@ def test_every_chat_golden_reproduces_through_the_stage(run_stage, tmp_path):
         meta = json.loads((tmp_path / f"out{i}" / "meta.json").read_text())
         assert meta["rows"] == {"read": len(cases), "kept": len(cases)}, meta["rows"]
         assert meta["drift"] == {"rows_compared": 0, "rows_differ": 0, "tokens_differ": 0, "rate": 0.0,
-                                 "rows_text_cut_short": 0, "tokens_text_cut_short": 0}
+                                 "rows_text_cut_short": 0, "tokens_text_cut_short": 0, "first_rows_differ": []}
         assert meta["thinking"] is thinking and meta["special_ids"]["mask_token_id"] == 163837
         assert meta["vocab_size"] == 163840 and meta["special_ids"]["bos"] == 163584
         assert meta["tokenizer"]["files_sha256"]["tiktoken.model"].startswith("b6c497a7469b")
@@ -263,29 +263,38 @@ def test_prepare_drops_prompts_over_max_prompt_tokens_for_the_target(run_stage, 
         assert stats["kept"] == kept and stats["dropped"].get("too_many_tokens", 0) == 2 - kept
 
 
-def test_a_worker_task_never_imports_pandas(tmp_path):
-    """pa.array imports pandas (0.3-0.5 s of CPU) in each worker, inside the tokenizing window: a worker's task builds
-    its Arrow columns from buffers instead. Checked in a fresh process doing exactly a worker's work."""
+def test_the_stage_forks_its_workers_and_they_work_without_importing_pandas(tmp_path):
+    """Workers are forked before anything imports pandas (MLflow does, after the fork), and pa.array would import it
+    (0.3-0.5 s of CPU) in each worker, inside the tokenizing window; pq.read_table (pyarrow.dataset) would import it
+    before the fork. Checked in a fresh process doing exactly what the stage does before forking, then a worker's
+    work."""
     require_shared(KIMI_DIR)
     rows = [completion_row(f"p{i}", [{"role": "user", "content": f"question {i}"},
-                                     {"role": "assistant", "content": f"answer {i}", "reasoning_content": "why " * i}])
+                                     {"role": "assistant", "content": f"answer {i}", "reasoning_content": "why " * i}],
+                           target="kimi-k2.6", thinking=True)  # the columns check_consistency reads
             for i in range(5)]
     inp = write_completions(tmp_path / "in", rows)
-    (tmp_path / "out").mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
     script = f"""
 import json, sys
+from collections import Counter
 from drafter_data.config import compose
-from stages.tokenize import plan_tasks, worker_settings
+from drafter_data.tokens.checks import check_consistency, check_policies
 from drafter_data.tokens.rows import init_worker, tokenize_task
-cfg = compose({kimi_overrides(inp, tmp_path / "out")!r})
-settings = worker_settings(cfg, {str(tmp_path / "out")!r})
+from stages.tokenize import input_shards, plan_tasks, worker_settings
+cfg = compose({kimi_overrides(inp, out)!r})
+paths = input_shards(cfg.tokenize.input)
+check_policies(cfg.tokenize)
+check_consistency(paths, cfg)
+settings = worker_settings(cfg, {str(out)!r})
 init_worker(settings)
-counts = sum((tokenize_task(task)[0] for task in plan_tasks([{str(inp / "completions-00000.parquet")!r}],
-                                                             {str(tmp_path / "out")!r}, settings)), start=Counter())
-print(json.dumps({{"kept": counts["kept"], "pandas": "pandas" in sys.modules}}))
+tasks = plan_tasks(paths, {str(out)!r}, settings)
+before_fork = "pandas" in sys.modules
+counts = sum((tokenize_task(task)[0] for task in tasks), start=Counter())
+print(json.dumps({{"kept": counts["kept"], "before_fork": before_fork, "after_work": "pandas" in sys.modules}}))
 """
-    done = subprocess.run([sys.executable, "-c", "from collections import Counter\n" + script], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == {"kept": 5, "pandas": False}
-    assert len(read_rows(tmp_path / "out")) == 5
+    assert json.loads(done.stdout.splitlines()[-1]) == {"kept": 5, "before_fork": False, "after_work": False}
+    assert len(read_rows(out)) == 5

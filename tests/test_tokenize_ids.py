@@ -215,3 +215,9 @@ def test_a_length_rows_text_that_stops_before_its_ids_is_not_drift(run_stage, tm
     drift = meta_of(tmp_path / "out")["drift"]
     assert (drift["rows_compared"], drift["rows_differ"], drift["rows_text_cut_short"]) == (2, 1, 1)
     assert drift["tokens_text_cut_short"] == len(extra) and "1 length rows' text stops" in proc.stderr
+
+
+def test_named_rows_sort_with_a_null_prompt_id():
+    from drafter_data.tokens.rows import first_examples
+
+    assert first_examples([[("b", 0), (None, 1)], [("a", 2), ("b", 0)]]) == [(None, 1), ("a", 2), ("b", 0)]

@@ -115,3 +115,33 @@ def test_mixed_thinking_renders_each_row_in_its_own_mode(run_stage, tmp_path, co
     assert "thinking: on in 1 rows, off in 1" in proc.stderr
     proc = run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out2"), check=False)
     assert proc.returncode == 1 and "generation.thinking" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("rows_per", ["per_turn", "conversation"])
+def test_the_turn_that_differs_is_named_in_both_row_modes(run_stage, tmp_path, conv, rows_per):
+    """A conversation row holds every turn: the name is the turn whose ids differed, not the row's last turn."""
+    from tests.test_tokenize_ids import sampled, split_one_token
+
+    tok = conv.tokenizer
+    drift_turn = {"c0": 0, "c1": 2, "c2": None, "c3": 1}
+    prompt_turn = {"c0": None, "c1": None, "c2": 1, "c3": 2}
+    rows = []
+    for pid in drift_turn:
+        history = []
+        for t in range(3):
+            sent = history + [{"role": "user", "content": f"{pid}, question {t}?"}]
+            answer = {"role": "assistant", "content": f"Answer {t}.", "reasoning_content": f"Thinking {t}."}
+            prompt_ids = conv.prompt_ids(sent) + ([12] if prompt_turn[pid] == t else [])
+            ids = sampled(tok, answer["reasoning_content"], answer["content"])
+            rows.append(completion_row(pid, sent + [answer], turn=t, thinking=True, prompt_token_ids=prompt_ids,
+                                       completion_token_ids=split_one_token(tok, ids) if drift_turn[pid] == t
+                                       else ids))
+            history = sent + [answer]
+    inp = write_shards(tmp_path / "in", rows[:5], rows[5:])
+    run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out"), f"tokenize.rows={rows_per}", "tokenize.workers=2",
+              "tokenize.max_drift_rate=1", "tokenize.max_prompt_mismatch_rate=1")
+    meta = meta_of(tmp_path / "out")
+    named = {name: [(r["prompt_id"], r["turn"]) for r in meta[name]["first_rows_differ"]]
+             for name in ("drift", "prompt_ids")}
+    assert named == {"drift": [("c0", 0), ("c1", 2), ("c3", 1)], "prompt_ids": [("c2", 1), ("c3", 2)]}
+    assert (meta["drift"]["rows_differ"], meta["prompt_ids"]["rows_differ"]) == (3, 2)

@@ -34,7 +34,9 @@ def check_policies(tcfg) -> None:
 
 
 def _unique(path: Path, column: str) -> set:
-    return set(pc.unique(pq.read_table(path, columns=[column]).column(column)).to_pylist()) - {None}
+    # ParquetFile, not pq.read_table: that one imports pyarrow.dataset and pandas (~0.7 s of start-up)
+    column_values = pq.ParquetFile(path).read(columns=[column], use_threads=False).column(column)
+    return set(pc.unique(column_values).to_pylist()) - {None}
 
 
 def check_consistency(paths: list[Path], cfg) -> None:

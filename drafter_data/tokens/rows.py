@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
@@ -73,19 +74,35 @@ class TokenRow:
     turn_lengths: list[tuple[int, int]] = field(default_factory=list)  # (reasoning, answer) tokens per turn
 
 
-def per_turn_row(conv: ConversationTokenizer, turn: Turn, counts: Counter) -> TokenRow:
+@contextmanager
+def naming(turn: Turn, counts: Counter, examples: dict[str, list] | None):
+    """Names the turn in examples[name] when the block raised that comparison's count (EXAMPLE_COUNTS)."""
+    before = {name: counts[key] for name, key in EXAMPLE_COUNTS.items()}
+    try:
+        yield
+    finally:
+        if examples is not None:
+            for name, key in EXAMPLE_COUNTS.items():
+                if counts[key] > before[name]:
+                    examples[name].append((turn.prompt_id, turn.turn))
+
+
+def per_turn_row(conv: ConversationTokenizer, turn: Turn, counts: Counter,
+                 examples: dict[str, list] | None = None) -> TokenRow:
     """The context exactly as sent for this turn + this turn's answer; loss over the answer only."""
     prompt, answer = turn_texts(conv, turn)
     ours, retokenized = conv.tokenizer.encode_chat_split(prompt + answer, len(prompt))
-    context = context_ids(turn, ours, counts)
-    sampled = answer_ids(conv, turn, retokenized, counts)
+    with naming(turn, counts, examples):
+        context = context_ids(turn, ours, counts)
+        sampled = answer_ids(conv, turn, retokenized, counts)
     reasoning = reasoning_tokens(conv, turn, answer, sampled)
     return TokenRow(turn.prompt_id, turn.turn, turn.thinking, np.concatenate([context, sampled]),
                     [(len(context), len(context) + len(sampled))], [prompt, answer],
                     [(reasoning, len(sampled) - reasoning)])
 
 
-def conversation_row(conv: ConversationTokenizer, turns: list[Turn], counts: Counter) -> TokenRow:
+def conversation_row(conv: ConversationTokenizer, turns: list[Turn], counts: Counter,
+                     examples: dict[str, list] | None = None) -> TokenRow:
     """One row with every regenerated turn in the loss: the last turn's messages + its answer, with each turn's
     answer where that turn's prompt ended. Refused (StageError) when the whole conversation does not render each turn
     as it was sent and answered (a template that rewrites history, e.g. drops earlier reasoning)."""
@@ -100,15 +117,16 @@ def conversation_row(conv: ConversationTokenizer, turns: list[Turn], counts: Cou
                              f"differently inside the whole conversation than it was sent and answered (a template "
                              f"that rewrites history, e.g. generation.history_reasoning=drop); use "
                              f"tokenize.rows=per_turn")
-        if k == 0:
-            ours, retokenized = conv.tokenizer.encode_chat_split(prompt + answer, len(prompt))
-            context = context_ids(turn, ours, counts)
-        else:
-            context, retokenized = conv.tokenizer.encode_chat_split(full[done:len(prompt) + len(answer)],
-                                                                    len(prompt) - done)
-            if turn.prompt_token_ids is not None:
-                compare_prompt(turn, conv.tokenizer.encode_chat_np(prompt), counts)
-        sampled = answer_ids(conv, turn, retokenized, counts)
+        with naming(turn, counts, examples):
+            if k == 0:
+                ours, retokenized = conv.tokenizer.encode_chat_split(prompt + answer, len(prompt))
+                context = context_ids(turn, ours, counts)
+            else:
+                context, retokenized = conv.tokenizer.encode_chat_split(full[done:len(prompt) + len(answer)],
+                                                                        len(prompt) - done)
+                if turn.prompt_token_ids is not None:
+                    compare_prompt(turn, conv.tokenizer.encode_chat_np(prompt), counts)
+            sampled = answer_ids(conv, turn, retokenized, counts)
         start = sum(map(len, pieces)) + len(context)
         pieces += [context, sampled]
         spans.append((start, start + len(sampled)))
@@ -147,26 +165,15 @@ def apply_policies(row: TokenRow, conv: ConversationTokenizer, settings: dict, c
 
 
 def build_row(group: list[Turn], counts: Counter, examples: dict[str, list] | None = None) -> TokenRow | None:
-    """One training row from one turn (per_turn) or one conversation's turns; None when dropped (counted). The row
-    goes into examples[name] when it raised that comparison's count."""
+    """One training row from one turn (per_turn) or one conversation's turns; None when dropped (counted). A turn
+    whose ids were compared and differ is named in examples (see naming)."""
     conv, settings = _worker["conv"], _worker["settings"]
     counts["read"] += len(group)
-    before = {name: counts[key] for name, key in EXAMPLE_COUNTS.items()}
-    try:
-        return _built_row(group, conv, settings, counts)
-    finally:
-        if examples is not None:
-            for name, key in EXAMPLE_COUNTS.items():
-                if counts[key] > before[name]:
-                    examples[name].append((group[-1].prompt_id, group[-1].turn))
-
-
-def _built_row(group: list[Turn], conv: ConversationTokenizer, settings: dict, counts: Counter) -> TokenRow | None:
     try:
         for turn in group:
             check_finish(turn, settings, counts)
-        row = (conversation_row(conv, group, counts) if settings["rows"] == "conversation"
-               else per_turn_row(conv, group[0], counts))
+        row = (conversation_row(conv, group, counts, examples) if settings["rows"] == "conversation"
+               else per_turn_row(conv, group[0], counts, examples))
         row = apply_policies(row, conv, settings, counts)
     except Dropped as drop:
         counts[f"dropped.{drop.reason}"] += len(group)
@@ -260,9 +267,11 @@ def input_turns(pieces: list[tuple[str, int | None]], settings: dict):
             yield from turns_from_batch(batch, settings["thinking"])
 
 
-def first_examples(lists) -> list[tuple[str, int]]:
-    """The first MAX_EXAMPLES (prompt_id, turn) of several lists: the same whatever the order tasks ran in."""
-    return sorted({example for examples in lists for example in examples})[:MAX_EXAMPLES]
+def first_examples(lists) -> list[tuple[str | None, int]]:
+    """The first MAX_EXAMPLES (prompt_id, turn) of several lists: the same whatever the order tasks ran in (a null
+    prompt_id first)."""
+    found = {example for examples in lists for example in examples}
+    return sorted(found, key=lambda e: (e[0] is not None, e[0] or "", e[1]))[:MAX_EXAMPLES]
 
 
 def tokenize_task(task: tuple[str, list[tuple[str, int | None]]]
