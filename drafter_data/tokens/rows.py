@@ -1,6 +1,6 @@
 """Completion rows -> token rows, in worker processes: each worker loads the tokenizer once (`init_worker`), reads
 its own input (one row group of a completions shard, or one partition of whole conversations), writes its own
-shards, and sends back only counts and fixed-size histograms.
+shards, and sends back only counts, fixed-size histograms and a few named rows.
 
 Every row read is counted once: `kept`, or `dropped.<reason>`. Flags beside them (`finish_length`,
 `mask_text_escaped`, `over_max_length`, `truncated`) say what was done to kept rows. The rows whose sampled ids
