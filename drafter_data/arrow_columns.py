@@ -1,9 +1,9 @@
 """Arrow columns built through their buffers, for prepare's and tokenize's worker processes.
 
 `pa.array(...)` on a list or a numpy array makes pyarrow import pandas (when installed: it asks whether the values
-are a DataFrame), about 0.3-0.5 s of CPU in a process that has not imported it yet (a worker forked before anything
-imported pandas, as tokenize's and prepare's are, or a spawned one), and converts a list element by element; building
-the buffers directly needs neither.
+are a DataFrame), about 0.3-0.5 s of CPU in a process that has not imported it yet (a worker forked before its stage
+imported pandas, or a spawned one), and converts a list element by element; building the buffers directly needs
+neither.
 """
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ def numpy_array(values: np.ndarray, type_: pa.DataType) -> pa.Array:
     """A 1-d numpy array as an Arrow array of an integer type (zero-copy where the dtype is already that type)."""
     values = np.ascontiguousarray(values, dtype=NUMPY_TYPES[type_])
     return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(values)])
+
+
+def bool_array(mask: np.ndarray) -> pa.Array:
+    """A 1-d numpy bool array as an Arrow boolean array (a bitmap)."""
+    return pa.Array.from_buffers(pa.bool_(), len(mask), [None, pa.py_buffer(np.packbits(mask, bitorder="little"))])
 
 
 def repeated_string(value: str, n: int) -> pa.Array:

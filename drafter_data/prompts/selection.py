@@ -12,6 +12,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
+from drafter_data.arrow_columns import bool_array
 from drafter_data.contract import PROMPTS, write_table_atomic
 from drafter_data.prompts.accounts import Accounts
 
@@ -122,7 +123,7 @@ def write_chosen(tmp_dir: Path, keep: np.ndarray, out_dir: Path, shard_rows: int
     for batch in pass1_batches(tmp_dir):
         mask = keep[offset: offset + batch.num_rows]
         offset += batch.num_rows
-        chosen = batch.filter(_bool_array(mask))
+        chosen = batch.filter(bool_array(mask))
         while chosen.num_rows:
             take = min(chosen.num_rows, shard_rows - pending_rows)
             pending.append(chosen.slice(0, take))
@@ -132,8 +133,3 @@ def write_chosen(tmp_dir: Path, keep: np.ndarray, out_dir: Path, shard_rows: int
                 flush()
     flush()
     return shard
-
-
-def _bool_array(mask: np.ndarray) -> pa.Array:
-    """pa.array(mask) without pa.array, which imports pandas (~0.3 s of CPU) to ask whether mask is a DataFrame."""
-    return pa.Array.from_buffers(pa.bool_(), len(mask), [None, pa.py_buffer(np.packbits(mask, bitorder="little"))])

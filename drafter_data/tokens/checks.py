@@ -34,7 +34,8 @@ def check_policies(tcfg) -> None:
 
 
 def _unique(path: Path, column: str) -> set:
-    # ParquetFile, not pq.read_table: that one imports pyarrow.dataset and pandas (~0.7 s of start-up)
+    # ParquetFile, not pq.read_table: that one imports pyarrow.dataset and pandas here, before the workers are
+    # forked, and every worker would carry them
     column_values = pq.ParquetFile(path).read(columns=[column], use_threads=False).column(column)
     return set(pc.unique(column_values).to_pylist()) - {None}
 
