@@ -43,12 +43,20 @@ NUMPY_TYPES = {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64}
 def numpy_array(values: np.ndarray, type_: pa.DataType) -> pa.Array:
     """A 1-d numpy array as an Arrow array of an integer type (zero-copy where the dtype is already that type)."""
     values = np.ascontiguousarray(values, dtype=NUMPY_TYPES[type_])
+    _one_dimension(values)
     return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(values)])
 
 
 def bool_array(mask: np.ndarray) -> pa.Array:
     """A 1-d numpy bool array as an Arrow boolean array (a bitmap)."""
+    _one_dimension(mask)
     return pa.Array.from_buffers(pa.bool_(), len(mask), [None, pa.py_buffer(np.packbits(mask, bitorder="little"))])
+
+
+def _one_dimension(values: np.ndarray) -> None:
+    # from_buffers takes a length and a buffer: a 2-d array would silently become its first rows' worth of values
+    if values.ndim != 1:
+        raise ValueError(f"a column needs a 1-d array, not one of shape {values.shape}")
 
 
 def repeated_string(value: str, n: int) -> pa.Array:
