@@ -135,6 +135,18 @@ def test_a_knee_that_moves_up_is_seen_above_the_best_and_strided_to():
     assert sum(shares) / len(shares) >= 0.93, [round(share, 2) for share in shares]
 
 
+def test_a_better_level_below_an_overshoot_looks_up_when_the_curve_is_still_straight_below_it():
+    """Climbing from nothing (4, 8, 16), 16 overshoots the knee and the level halfway back beats it. When tok/s grew
+    in proportion from 8 up to that level, nothing lower can be better: the knee lies between it and 16, and the next
+    probe goes there, not further down (which cost the bench's cold start 15 s at 9 and 10 for a knee at 12)."""
+    for knee in (12, 24):
+        server, clock, flight = KneeServer(knee=knee), [0.0], []
+        levels = simulate_requests(make(None, clock), server, 40, clock, flight)
+        overshoot = levels.index(max(levels[:15]))
+        assert min(levels[overshoot:30]) >= 0.9 * knee, (knee, levels)
+        assert share_of_best(server, levels[overshoot:]) >= 0.93, (knee, levels)  # 0.90 and 0.91 without
+
+
 def test_a_level_at_the_upper_bound_that_measures_better_than_before_does_not_send_the_search_far_down():
     """At concurrency_max there is nowhere to stride up to: a bound level that measures more than 6% better than it
     did a window before (noise, or a knee that moved up past the bound) is the best again, and the next probe is the

@@ -7,28 +7,31 @@ has little noise, and queueing shows in it: requests that wait for a slot take l
 capacity measures no better. A step down is measured once the requests above it have drained; when there is not
 enough work to fill the level (the end of the input), nothing is decided.
 
-How the level moves: a pattern search around the best level known, in log steps. A cycle measures the best level
-again (so a knee that moves is noticed), then its neighbour one step away in the direction that last paid off, then
-the other neighbour. A neighbour that beats the best by more than NOISE (the lower one: that is no worse than it by
-more than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best, and the
-step follows the curve's shape: going up, while tok/s grew about in proportion to the level (elasticity > 0.8: the
-knee is well above, or moved up) it climbs on in equal steps of at least CLIMB_STEP (growing ones overshoot a knee
-near by), growing by half from the fourth such climb in a row (a knee far above); once it grew much less (< 0.5: the
-curve bent between the two, so the knee is there) it halves and looks back between first, in between it is at most
-CLIMB_STEP; going down it grows by half (towards 2x). After a stride, a probe further on that fails is followed by
-one halfway back, not by the other side (where the best came from, known worse), and a stride never reaches past
-halfway to a level further on that measured worse in the last RECENT windows. When neither neighbour pays, the step
-halves, down to MIN_STEP, so the level ends up spending its time at the best and one small step either side of it.
-A first neighbour more than SHIFT below the best (for the lower one: below what its fewer requests would give) sends
-the search back to the best at once (the server may have changed), and the next cycle looks at the other side first.
-When the best level, measured again, is more than SHIFT off its last figure, the server has changed (a filling KV
-cache moves the knee down): the step grows back to SHIFT_STEP, towards where the change points. A knee that moves
-up does not show at the best level (below it before and after), only at a level above: one that beats the best and
-measures more than 2 x NOISE better than it did in the last RECENT windows means the knee moved up, and the search
-strides on up by SHIFT_STEP (the measurements further on are stale), not in CLIMB_STEPs. The search starts from
-the assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a level
-past the knee is the slow one to measure), or without one from 4, doubling. A window that has run MAX_WINDOW_S
-decides on half a level's worth of requests.
+How the level moves: a pattern search around the best level known, in log steps. A cycle measures the best level again
+(so a knee that moves is noticed), then its neighbour one step away in the direction that last paid off, then the
+other neighbour. A neighbour that beats the best by more than NOISE (the lower one: that is no worse than it by more
+than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best, and the step
+follows the curve's shape: going up, while tok/s grew about in proportion to the level (elasticity > 0.8: the knee is
+well above, or moved up) it climbs on in equal steps of at least CLIMB_STEP (growing ones overshoot a knee near by),
+growing by half from the fourth such climb in a row (a knee far above); once it grew much less (< 0.5: the curve bent
+between the two, so the knee is there) it halves and looks back between first, in between it is at most CLIMB_STEP;
+going down it grows by half (towards 2x), unless tok/s grew in proportion from the nearest level below measured in the
+last RECENT windows up to this one: lower levels can then only be worse, and the next probe goes up, halfway to the
+nearest level above that measured worse (the one just beaten, or one between) (from nothing: 4, 8, 16 past a knee at
+12, then 11 beats 16 and 13 is next, not 9). After a stride, a probe further on that fails is followed by one halfway
+back, not by the other side (where the best came from, known worse), and a stride never reaches past halfway to a
+level further on that measured worse in the last RECENT windows. When neither neighbour pays, the step halves, down to
+MIN_STEP, so the level ends up spending its time at the best and one small step either side of it. A first neighbour
+more than SHIFT below the best (for the lower one: below what its fewer requests would give) sends the search back to
+the best at once (the server may have changed), and the next cycle looks at the other side first. When the best level,
+measured again, is more than SHIFT off its last figure, the server has changed (a filling KV cache moves the knee
+down): the step grows back to SHIFT_STEP, towards where the change points. A knee that moves up does not show at the
+best level (below it before and after), only at a level above: one that beats the best and measures more than 2 x
+NOISE better than it did in the last RECENT windows means the knee moved up, and the search strides on up by
+SHIFT_STEP (the measurements further on are stale), not in CLIMB_STEPs. The search starts from the assessed best level
+(assess's metrics.json, for the server it measured) in small steps, downwards first (a level past the knee is the slow
+one to measure), or without one from 4, doubling. A window that has run MAX_WINDOW_S decides on half a level's worth
+of requests.
 """
 from __future__ import annotations
 
@@ -163,6 +166,18 @@ class LevelController:
                 climbs = self._climbs + 1
             else:
                 step = min(self.step, CLIMB_STEP)
+        elif below:
+            lower = [(lv, r) for _, lv, r in reversed(self.history[-RECENT:-1]) if lv < self.level and r > 0]
+            # the nearest level above that measured worse: the one just beaten, or one between
+            above = min([self.best] + [lv for _, lv, r in self.history[-RECENT:] if self.level < lv and r < rate])
+            if lower and rate > 0:
+                level, lower_rate = max(lower, key=lambda m: m[0])  # the nearest below, its latest measurement
+                if (math.log(rate) - math.log(lower_rate)) / math.log(self.level / level) > 0.8:
+                    # tok/s still grows in proportion up to this level: lower ones can only be worse, and the knee
+                    # lies between this level and the nearest above that measured worse: look halfway there (when
+                    # that is the next level, it is measured again: in simulations that beat striding down)
+                    self._climbs = 0
+                    return max(MIN_STEP, math.log(above / self.level) / 2), 1
         self._climbs = climbs
         before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level and r > 0]
         if not below and before and rate > max(before) * (1 + 2 * NOISE) and self.level < self.high:
