@@ -1,18 +1,21 @@
 """Benchmark of the generate stage's client overhead against a bare AsyncOpenAI loop, and of resuming.
 
-Against the same instant local test server (tests/fake_openai_server.py, streaming, thinking on), each side in its
-own process at the same concurrency: requests/s of the stage and of a bare `AsyncOpenAI` streaming loop, their ratio
-(goal >= 0.9), and the stage's CPU seconds per 1,000 completions. Then the time and peak RSS of the stage resuming
-over N finished rows (nothing left to send): goals < 10 s at 1M, < 20 s and < 1 GB at 4.3M (the seed's pool); the
-peak RSS at both sizes shows whether memory stays flat per prompt.
+Against the same instant local test server (tests/fake_openai_server.py, streaming, thinking on), each side in its own
+process at the same concurrency: requests/s of the stage and of a bare `AsyncOpenAI` streaming loop, their ratio (goal
+>= 0.9), and the stage's CPU seconds per 1,000 completions; in `--pairs` pairs per level, alternating which side runs
+first (one pair's ratio moved by 0.1 between runs on this machine), and their median. Then the time and peak RSS of
+the stage resuming over N finished rows (nothing left to send): goals < 10 s at 1M, < 20 s and < 1 GB at 4.3M (the
+seed's pool); the peak RSS at both sizes shows whether memory stays flat per prompt.
 
-    .venv/bin/python bench/generate.py [--requests 6000] [--concurrency 64 256] [--resume-rows 1000000 4300000]
+    .venv/bin/python bench/generate.py [--requests 6000] [--concurrency 64 256] [--pairs 3]
+                                       [--resume-rows 1000000 4300000]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,6 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=6000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--pairs", type=int, default=3, help="bare/stage pairs per level, alternating which goes first")
     parser.add_argument("--resume-rows", type=int, nargs="+", default=[1_000_000, 4_300_000])
     args = parser.parse_args()
     server, url = start_server({"reasoning_words": 6, "content_words": 6})
@@ -124,17 +128,28 @@ def main() -> None:
             env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
             write_prompts(tmp / "in", args.requests)
             for conc in args.concurrency:
-                bare = run_measured(client_cmd([sys.executable, "-c", BARE_LOOP, url, str(args.requests), str(conc)]))
-                bare_rps = float(bare["stdout"].split()[-1])
-                out = tmp / f"out-{conc}"
-                stage = run_measured(client_cmd(stage_args(url, tmp / "in", out, conc)), env=env)
-                summary = json.loads((out / "run.json").read_text())
-                stage_rps = summary["requests_per_s"]
-                print(f"concurrency {conc}: bare AsyncOpenAI {bare_rps:.0f} req/s, stage {stage_rps:.0f} req/s "
-                      f"(request phase; {args.requests / stage['wall_s']:.0f} req/s over the whole process incl. "
-                      f"start-up) -> ratio {stage_rps / bare_rps:.2f}; stage CPU "
-                      f"{stage['cpu_s'] / args.requests * 1000:.1f} s per 1,000 completions "
-                      f"(bare loop {bare['cpu_s'] / args.requests * 1000:.1f} s)", flush=True)
+                ratios = []
+                for pair in range(args.pairs):
+                    # alternate which side runs first: the server and the machine may drift between the two
+                    measured = {}
+                    for side in (("bare", "stage") if pair % 2 == 0 else ("stage", "bare")):
+                        if side == "bare":
+                            bare = run_measured(client_cmd([sys.executable, "-c", BARE_LOOP, url,
+                                                            str(args.requests), str(conc)]))
+                            measured[side] = (float(bare["stdout"].split()[-1]), bare)
+                        else:
+                            out = tmp / f"out-{conc}-{pair}"
+                            stage = run_measured(client_cmd(stage_args(url, tmp / "in", out, conc)), env=env)
+                            measured[side] = (json.loads((out / "run.json").read_text())["requests_per_s"], stage)
+                    (bare_rps, bare), (stage_rps, stage) = measured["bare"], measured["stage"]
+                    ratios.append(stage_rps / bare_rps)
+                    print(f"concurrency {conc}, pair {pair + 1} ({'bare first' if pair % 2 == 0 else 'stage first'}): "
+                          f"bare AsyncOpenAI {bare_rps:.0f} req/s, stage {stage_rps:.0f} req/s (request phase; "
+                          f"{args.requests / stage['wall_s']:.0f} req/s over the whole process incl. start-up) -> "
+                          f"ratio {ratios[-1]:.2f}; stage CPU {stage['cpu_s'] / args.requests * 1000:.1f} s per 1,000 "
+                          f"completions (bare loop {bare['cpu_s'] / args.requests * 1000:.1f} s)", flush=True)
+                print(f"concurrency {conc}: ratio {statistics.median(ratios):.2f} (median of {len(ratios)} pairs; "
+                      f"{', '.join(f'{r:.2f}' for r in ratios)})", flush=True)
             conc = args.concurrency[0]
             out = tmp / "out-nostream"
             plain = run_measured(client_cmd(stage_args(url, tmp / "in", out, conc) + ["generate.stream=false"]), env=env)

@@ -6,6 +6,7 @@ FAULT is one of
   disk_full_while=<path>   every Parquet write fails with ENOSPC while <path> exists (the test creates/removes it)
   mlflow_slow=<seconds>    every MLflow metrics batch takes that long (a slow or locked tracking store)
   mlflow_fails             every MLflow metrics batch fails ("database is locked")
+  compact_slow=<seconds>   generate's compaction of its shards takes that long longer (a slow disk)
 The stage then runs exactly as `python -m <stage>` would (same argv, __main__).
 """
 from __future__ import annotations
@@ -52,7 +53,20 @@ def mlflow_fails(_: str = "") -> None:
     MlflowClient.log_batch = log_batch
 
 
-FAULTS = {"disk_full_while": disk_full_while, "mlflow_slow": mlflow_slow, "mlflow_fails": mlflow_fails}
+def compact_slow(seconds: str) -> None:
+    from drafter_data.generation.store import CompletionStore
+
+    real = CompletionStore.compact
+
+    def compact(self, *args, **kwargs):
+        time.sleep(float(seconds))
+        return real(self, *args, **kwargs)
+
+    CompletionStore.compact = compact
+
+
+FAULTS = {"disk_full_while": disk_full_while, "mlflow_slow": mlflow_slow, "mlflow_fails": mlflow_fails,
+          "compact_slow": compact_slow}
 
 if __name__ == "__main__":
     fault, _, value = sys.argv[1].partition("=")

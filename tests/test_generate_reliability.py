@@ -10,6 +10,7 @@ import time
 from collections import Counter
 
 import pyarrow.parquet as pq
+import pytest
 
 from tests.conftest import REPO, read_rows, write_prompts
 from tests.fake_openai_server import request_key
@@ -225,6 +226,22 @@ def test_a_slow_tracking_store_never_stalls_the_streams(fake_server, tmp_path, m
     summary = json.loads((tmp_path / "out" / "run.json").read_text())
     # ~4 s of requests; a blocked event loop would add 8 s per MLflow batch
     assert summary["elapsed_s"] < 8
+    check_exactly_once(prompts, tmp_path / "out")
+
+
+def test_the_run_rates_cover_the_request_phase_not_the_writing_after_it(fake_server, tmp_path, mlflow_uri):
+    """requests/s and tok/s in run.json (and MLflow, and the bench's ratio) end with the last answer: the final
+    compaction, however slow, is not counted in them."""
+    server = fake_server({"token_delay_s": 0.01})
+    prompts = write_prompts(tmp_path / "in", 40)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=8")
+    t0 = time.monotonic()
+    proc = start(args, mlflow_uri, inject="compact_slow=6")
+    assert proc.wait(180) == 0, proc.stderr.read()
+    assert time.monotonic() - t0 > 6  # the injected delay was there
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert summary["elapsed_s"] < 5, summary["elapsed_s"]
+    assert summary["requests_per_s"] == pytest.approx(summary["completions"] / summary["elapsed_s"])
     check_exactly_once(prompts, tmp_path / "out")
 
 

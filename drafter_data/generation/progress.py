@@ -68,6 +68,7 @@ class Progress:
         self.c, self.assessed, self.servers = counters, assessed, servers
         self.total = 0
         self.t0 = time.monotonic()
+        self.t_end: float | None = None  # the request phase's end: the run's rates leave out the writing after it
         self._shown = 0
         self.bar = None
         self.concurrency = 0
@@ -81,7 +82,13 @@ class Progress:
                         mininterval=1.0, disable=None)
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.t0
+        return (self.t_end or time.monotonic()) - self.t0
+
+    def stop(self) -> None:
+        """The request phase ended (every request answered, or the run stopping): the clock stops, so the final
+        flush, compaction and closing the clients do not count in the run's requests/s and tok/s."""
+        if self.t_end is None:
+            self.t_end = time.monotonic()
 
     def update(self, finished: int, concurrency: int) -> None:
         """finished: conversations done or given up so far in this run."""

@@ -344,6 +344,7 @@ class Runner:
         try:
             await self.supervise(producer, ticker, workers)
         finally:
+            self.progress.stop()
             tasks = [producer, ticker, *workers]
             for task in tasks:
                 task.cancel()
@@ -353,6 +354,7 @@ class Runner:
             try:
                 await self.flush()
             finally:
+                self.progress.update(self.c.conversations, self.concurrency())  # the bar's last figures
                 self.progress.close()
                 for sig, handler in before.items():  # back to what the stage had (not the default: cleanup)
                     loop.remove_signal_handler(sig)
