@@ -59,6 +59,7 @@ def compact_slow(seconds: str) -> None:
     real = CompletionStore.compact
 
     def compact(self, *args, **kwargs):
+        print(f"injected: compaction delayed {seconds} s", file=sys.stderr)
         time.sleep(float(seconds))
         return real(self, *args, **kwargs)
 
