@@ -85,6 +85,18 @@ def stage_args(url: str, inp: Path, out: Path, conc: int) -> list[str]:
             f"generation.concurrency={conc}", "generation.max_tokens=64"]
 
 
+def measure_bare(url: str, requests: int, conc: int) -> tuple[float, dict]:
+    """(requests/s, the process's measures) of the bare AsyncOpenAI loop."""
+    bare = run_measured(client_cmd([sys.executable, "-c", BARE_LOOP, url, str(requests), str(conc)]))
+    return float(bare["stdout"].split()[-1]), bare
+
+
+def measure_stage(url: str, inp: Path, out: Path, conc: int, env: dict, *overrides: str) -> tuple[float, dict]:
+    """(requests/s of the request phase, from run.json; the process's measures) of the stage."""
+    stage = run_measured(client_cmd(stage_args(url, inp, out, conc) + list(overrides)), env=env)
+    return json.loads((out / "run.json").read_text())["requests_per_s"], stage
+
+
 def fake_finished(inp: Path, out: Path, url: str, conc: int) -> None:
     """Completion shards for every prompt, keyed exactly as the stage keys them (20k-row shards, as compacted)."""
     import pyarrow as pa
@@ -131,17 +143,12 @@ def main() -> None:
                 ratios = []
                 for pair in range(args.pairs):
                     # alternate which side runs first: the server and the machine may drift between the two
-                    measured = {}
-                    for side in (("bare", "stage") if pair % 2 == 0 else ("stage", "bare")):
-                        if side == "bare":
-                            bare = run_measured(client_cmd([sys.executable, "-c", BARE_LOOP, url,
-                                                            str(args.requests), str(conc)]))
-                            measured[side] = (float(bare["stdout"].split()[-1]), bare)
-                        else:
-                            out = tmp / f"out-{conc}-{pair}"
-                            stage = run_measured(client_cmd(stage_args(url, tmp / "in", out, conc)), env=env)
-                            measured[side] = (json.loads((out / "run.json").read_text())["requests_per_s"], stage)
-                    (bare_rps, bare), (stage_rps, stage) = measured["bare"], measured["stage"]
+                    if pair % 2 == 0:
+                        bare_rps, bare = measure_bare(url, args.requests, conc)
+                        stage_rps, stage = measure_stage(url, tmp / "in", tmp / f"out-{conc}-{pair}", conc, env)
+                    else:
+                        stage_rps, stage = measure_stage(url, tmp / "in", tmp / f"out-{conc}-{pair}", conc, env)
+                        bare_rps, bare = measure_bare(url, args.requests, conc)
                     ratios.append(stage_rps / bare_rps)
                     print(f"concurrency {conc}, pair {pair + 1} ({'bare first' if pair % 2 == 0 else 'stage first'}): "
                           f"bare AsyncOpenAI {bare_rps:.0f} req/s, stage {stage_rps:.0f} req/s (request phase; "
@@ -151,10 +158,8 @@ def main() -> None:
                 print(f"concurrency {conc}: ratio {statistics.median(ratios):.2f} (median of {len(ratios)} pairs; "
                       f"{', '.join(f'{r:.2f}' for r in ratios)})", flush=True)
             conc = args.concurrency[0]
-            out = tmp / "out-nostream"
-            plain = run_measured(client_cmd(stage_args(url, tmp / "in", out, conc) + ["generate.stream=false"]), env=env)
-            summary = json.loads((out / "run.json").read_text())
-            print(f"concurrency {conc}, generate.stream=false: stage {summary['requests_per_s']:.0f} req/s, CPU "
+            plain_rps, plain = measure_stage(url, tmp / "in", tmp / "out-nostream", conc, env, "generate.stream=false")
+            print(f"concurrency {conc}, generate.stream=false: stage {plain_rps:.0f} req/s, CPU "
                   f"{plain['cpu_s'] / args.requests * 1000:.1f} s per 1,000 completions (streaming costs a parse per "
                   f"chunk; it gives TTFT and lets a dropped stream be told from a slow one)", flush=True)
             for n in args.resume_rows:

@@ -76,6 +76,14 @@ class FakeServerProcess:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats?{qs}", timeout=10) as resp:
             return _json.loads(resp.read())
 
+    def requests(self) -> list[dict]:
+        """Every chat request received, in order: {"index", "received" (time.time()), "body"}."""
+        import json as _json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/requests", timeout=10) as resp:
+            return _json.loads(resp.read())
+
     def stop(self) -> None:
         import signal as _signal
 

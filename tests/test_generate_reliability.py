@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 
 import pyarrow.parquet as pq
@@ -242,9 +241,8 @@ def test_the_run_rates_cover_the_request_phase_not_the_writing_after_it(fake_ser
     assert "injected: compaction delayed 6 s" in err  # the delay was there, after the last answer
     summary = json.loads((tmp_path / "out" / "run.json").read_text())
     # not frozen too early either: at least from the first prompt's request to the last one's
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/requests", timeout=10) as resp:
-        sent = [r["received"] for r in json.loads(resp.read()) if r["body"]["messages"][-1]["content"] in
-                {p["messages"][-1]["content"] for p in prompts}]
+    asked = {p["messages"][-1]["content"] for p in prompts}
+    sent = [r["received"] for r in server.requests() if r["body"]["messages"][-1]["content"] in asked]
     assert len(sent) == 40 and max(sent) - min(sent) > 0.3
     assert max(sent) - min(sent) <= summary["elapsed_s"] < 5, (max(sent) - min(sent), summary["elapsed_s"])
     assert summary["requests_per_s"] == pytest.approx(summary["completions"] / summary["elapsed_s"])

@@ -42,8 +42,7 @@ def post_config(server, update: dict) -> None:
 
 
 def received(server) -> list[dict]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/requests", timeout=10) as resp:
-        return [r["body"] for r in json.loads(resp.read())]
+    return [r["body"] for r in server.requests()]
 
 
 def last_line(proc) -> str:

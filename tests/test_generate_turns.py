@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import time
-import urllib.request
 from collections import Counter
 
 import pyarrow as pa
@@ -34,8 +33,7 @@ def write_conversations(directory, n, turns=3, tools=None, start=0):
 
 
 def logged_requests(server) -> list[dict]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/requests", timeout=10) as resp:
-        return [entry["body"] for entry in json.loads(resp.read())]
+    return [entry["body"] for entry in server.requests()]
 
 
 def prompt_requests(server) -> list[dict]:

@@ -86,11 +86,7 @@ def test_answers_without_tool_calls_have_none(fake_server):
 
 
 def server_requests(server) -> list[dict]:
-    import json
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/requests", timeout=10) as resp:
-        return [r["body"] for r in json.loads(resp.read())]
+    return [r["body"] for r in server.requests()]
 
 
 # --- 11.1: token ids per engine ------------------------------------------------------------------------------------

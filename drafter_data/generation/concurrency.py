@@ -168,14 +168,15 @@ class LevelController:
                 step = min(self.step, CLIMB_STEP)
         elif below:
             lower = [(lv, r) for _, lv, r in reversed(self.history[-RECENT:-1]) if lv < self.level and r > 0]
-            # the nearest level above that measured worse: the one just beaten, or one between
-            above = min([self.best] + [lv for _, lv, r in self.history[-RECENT:] if self.level < lv and r < rate])
             if lower and rate > 0:
-                level, lower_rate = max(lower, key=lambda m: m[0])  # the nearest below, its latest measurement
-                if (math.log(rate) - math.log(lower_rate)) / math.log(self.level / level) > 0.8:
+                lower_level, lower_rate = max(lower, key=lambda m: m[0])  # the nearest below, its latest measurement
+                if (math.log(rate) - math.log(lower_rate)) / math.log(self.level / lower_level) > 0.8:
                     # tok/s still grows in proportion up to this level: lower ones can only be worse, and the knee
-                    # lies between this level and the nearest above that measured worse: look halfway there (when
-                    # that is the next level, it is measured again: in simulations that beat striding down)
+                    # lies between this level and the nearest above that measured worse (the one just beaten, or one
+                    # between): look halfway there (when that is the next level, it is measured again: in
+                    # simulations that beat striding down)
+                    worse_above = [lv for _, lv, r in self.history[-RECENT:] if self.level < lv and r < rate]
+                    above = min([self.best, *worse_above])
                     self._climbs = 0
                     return max(MIN_STEP, math.log(above / self.level) / 2), 1
         self._climbs = climbs
