@@ -72,7 +72,7 @@ def test_outside_and_in_repo_sources_rerun_prepare_and_downstream_only_when_chan
     env = dvc_env(mlflow_uri)
     outside = write_jsonl_prompts(tmp_path / "elsewhere" / "questions.jsonl",
                                   ["Name a red fruit.", "Name a blue bird.", "Name a green tree."])
-    mine = write_jsonl_prompts(repo / "my_prompts" / "mine.jsonl", ["Name a small cat."])
+    write_jsonl_prompts(repo / "my_prompts" / "mine.jsonl", ["Name a small cat."])
     subprocess.run(["git", "add", "my_prompts"], cwd=repo, check=True, env=env)
     subprocess.run(["git", "commit", "-qm", "my prompts"], cwd=repo, check=True, env=env)
     sources = ["-S", sources_override(("outside", outside, "auto"), ("mine", "my_prompts/mine.jsonl", "auto"))]

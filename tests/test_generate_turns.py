@@ -3,7 +3,6 @@ kills; tool calls, length cuts and failed turns end a conversation; thinking can
 import json
 import os
 import signal
-import time
 from collections import Counter
 
 import pyarrow as pa
@@ -124,7 +123,7 @@ def test_a_tool_call_a_length_cut_or_a_failed_turn_ends_the_conversation(run_sta
     assert [e["turn"] for e in errors] == [1, 1]
     summary = json.loads((tmp_path / "out" / "run.json").read_text())
     assert summary["stopped_at_tool_call"] == 2 and summary["stopped_by_error"] == 2
-    cut = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "cut", "generation.max_tokens=4"))
+    run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "cut", "generation.max_tokens=4"))
     assert {r["turn"] for r in read_rows(tmp_path / "cut", "completions-")} == {0}
     assert json.loads((tmp_path / "cut" / "run.json").read_text())["stopped_at_length"] == 4
     assert "failed for good" in proc.stderr

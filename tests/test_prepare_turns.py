@@ -2,7 +2,6 @@
 import json
 from pathlib import Path
 
-import orjson
 
 from tests.conftest import KIMI_DIR, PROMPT_FIXTURES, read_rows, require_shared
 
