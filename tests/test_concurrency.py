@@ -147,6 +147,69 @@ def test_a_better_level_below_an_overshoot_looks_up_when_the_curve_is_still_stra
         assert share_of_best(server, levels[overshoot:]) >= 0.93, (knee, levels)  # 0.90 and 0.91 without
 
 
+def test_once_settled_the_level_below_is_probed_only_every_fourth_cycle():
+    """A knee that moves down shows at the best level itself; one that moves up only above it. Once a cycle finds
+    neither neighbour better at the smallest step, the next three probe only the level above: at a knee of 12 the
+    steady share of the best is 0.974 (0.959 when every cycle probed both sides at 11 and 13). The level below is still
+    measured, and a best that measures worse sends the search down at once: a knee that slips from 12 to 10 is
+    followed within 20 s."""
+    for knee in (12, 24):
+        server, clock, flight = KneeServer(knee=knee), [0.0], []
+        controller = make(knee, clock)
+        levels = simulate_requests(controller, server, 400, clock, flight)[100:]
+        assert share_of_best(server, levels) >= 0.97, (knee, levels[:40])
+        assert 0.08 <= sum(level < knee for level in levels) / len(levels) <= 0.2, levels[:40]
+        server.knee = knee * 10 // 12
+        after = simulate_requests(controller, server, 60, clock, flight)
+        assert share_of_best(server, after[20:]) >= 0.95, (knee, after)
+
+
+def test_a_level_far_worse_than_the_best_is_decided_on_half_its_requests():
+    """A window normally waits for 2 x level requests; one that measures more than half below the best after half a
+    level's worth (a level past a knee that just moved down, each request many times slower) is decided then: every
+    second there costs tok/s. One less bad waits for all its requests: the first to finish are the short ones, in which
+    the time to first token weighs most, and on a real server they read a level as good as the best 30-40% below it."""
+    for latency, decided in ((4.0, True), (2.5, False), (1.8, False)):
+        clock = [0.0]
+        controller = LevelController(level=16, low=1, high=64, clock=lambda: clock[0])
+        clock[0] += 2.5
+        for _ in range(32):
+            controller.completed(TOKENS, 0.8)
+        assert controller.tick(16) == 32 and controller.best_rate == pytest.approx(16 * TOKENS / 0.8)
+        clock[0] += latency + 0.1
+        for _ in range(16):  # half the requests a window at 32 waits for
+            controller.completed(TOKENS, latency)
+        # 320 tok/s against 800: decided; 512 and 711: not yet
+        assert (controller.tick(32) is not None) == decided, latency
+
+
+def test_a_best_measured_across_a_fall_is_measured_again_before_the_other_side_is_probed():
+    """The knee falls while the best (17) is being measured: its window, partly before the fall, reads 425 tok/s
+    where 274 is now true. The search looks down (11); 11 measures 341, better than 17 now but worse than 425. Levels
+    above are only worse after a fall, so the best is measured again (not 26, the other side by the long step, which
+    cost 30% of the 30 s after the fall in simulation), and 11 then beats it."""
+    controller = LevelController(level=17, low=1, high=64)
+    controller.best, controller.best_rate, controller.step = 17, 776.0, math.log(1.06)
+    for rate, expected in ((425.0, 11), (341.0, 17), (274.0, 11), (341.0, None)):
+        new = controller._next_level(rate)
+        assert expected is None or new == expected, (rate, new)
+        controller.level = new
+    assert controller.best == 11
+
+
+def test_at_the_upper_bound_the_level_below_is_probed_only_every_fourth_cycle():
+    """With the best at concurrency_max there is no level above to probe: once settled, three cycles of four are
+    the best alone (before, the level below was measured twice a cycle: 0.956 of the best)."""
+    server, clock, flight = KneeServer(knee=24), [0.0], []
+    controller = make(None, clock, high=16)
+    levels = simulate_requests(controller, server, 400, clock, flight)[100:]
+    assert mean_rate(server, levels) / server.tokens_per_s(16) >= 0.975, levels[:40]
+    assert 15 in levels and max(levels) == 16
+    server.knee = 8  # a knee that falls below the bound shows at the best: followed as before
+    after = simulate_requests(controller, server, 90, clock, flight)
+    assert share_of_best(server, after[10:]) >= 0.93, after
+
+
 def test_a_level_at_the_upper_bound_that_measures_better_than_before_does_not_send_the_search_far_down():
     """At concurrency_max there is nowhere to stride up to: a bound level that measures more than 6% better than it
     did a window before (noise, or a knee that moved up past the bound) is the best again, and the next probe is the

@@ -21,17 +21,22 @@ nearest level above that measured worse (the one just beaten, or one between) (f
 12, then 11 beats 16 and 13 is next, not 9). After a stride, a probe further on that fails is followed by one halfway
 back, not by the other side (where the best came from, known worse), and a stride never reaches past halfway to a
 level further on that measured worse in the last RECENT windows. When neither neighbour pays, the step halves, down to
-MIN_STEP, so the level ends up spending its time at the best and one small step either side of it. A first neighbour
-more than SHIFT below the best (for the lower one: below what its fewer requests would give) sends the search back to
-the best at once (the server may have changed), and the next cycle looks at the other side first. When the best level,
-measured again, is more than SHIFT off its last figure, the server has changed (a filling KV cache moves the knee
-down): the step grows back to SHIFT_STEP, towards where the change points. A knee that moves up does not show at the
-best level (below it before and after), only at a level above: one that beats the best and measures more than 2 x
-NOISE better than it did in the last RECENT windows means the knee moved up, and the search strides on up by
-SHIFT_STEP (the measurements further on are stale), not in CLIMB_STEPs. The search starts from the assessed best level
-(assess's metrics.json, for the server it measured) in small steps, downwards first (a level past the knee is the slow
-one to measure), or without one from 4, doubling. A window that has run MAX_WINDOW_S decides on half a level's worth
-of requests.
+MIN_STEP, so the level ends up spending its time at the best and one small step either side of it. Once a cycle at
+MIN_STEP finds neither neighbour better, the next UP_ONLY_CYCLES cycles probe only the level above (a knee that moves
+down shows at the best itself, one that moves up only above it; at concurrency_max they are the best alone): at a knee
+of 12 the steady share of the best goes from 0.96 to 0.97; a best that measures more than 2 x NOISE worse than before
+ends them, and the search looks down first. A first neighbour more than SHIFT below the best (for the lower one: below
+what its fewer requests would give) sends the search back to the best at once (the server may have changed), and the
+next cycle looks at the other side first. When the best level, measured again, is more than SHIFT off its last figure,
+the server has changed (a filling KV cache moves the knee down): the step grows back to SHIFT_STEP, towards where the
+change points. When it fell, that window may have run partly before the fall and read too high: a level below that
+then measures worse than it (but not far worse) is followed by the best again, not by the other side. A knee that moves
+up does not show at the best level (below it before and after), only at a level above: one that beats the best and
+measures more than 2 x NOISE better than it did in the last RECENT windows means the knee moved up, and the search
+strides on up by SHIFT_STEP (the measurements further on are stale), not in CLIMB_STEPs. The search starts from the
+assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a level past
+the knee is the slow one to measure), or without one from 4, doubling. A window decides on half a level's worth of
+requests, not 2 x level, once it has run MAX_WINDOW_S or when it measures more than EARLY_OUT below the best by then.
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ MAX_STEP = math.log(2.0)
 NOISE = 0.03  # relative throughput difference read as a real change
 SHIFT, SHIFT_STEP = 0.3, math.log(1.5)  # the best level re-measured this much off: the server changed; step again
 CLIMB_STEP = math.log(1.25)  # the least step while tok/s still grows in proportion to the level
+EARLY_OUT = 0.5  # a window this far below the best after half its requests is decided then (see tick)
+UP_ONLY_CYCLES = 3  # once settled, cycles that probe only the level above before one that probes both sides
 RECENT = 6  # windows whose measurements bound a stride (a knee that moves is re-measured within a few)
 MAX_WINDOW_S = 15.0  # past this, half a level's worth of requests is enough (a level far past the knee is slow)
 
@@ -69,6 +76,8 @@ class LevelController:
     _settled: bool = True
     _arrived: bool = False  # the best level was just reached from the other side
     _climbs: int = 0  # better levels in a row found going up with tok/s growing in proportion
+    _shifted_down: bool = False  # the best's last figure came from the window that found it much slower
+    _up_only: int = 0  # settled cycles still to come that probe only the level above the best
 
     def __post_init__(self):
         self.level = self.best = self._clamp(self.level)
@@ -98,13 +107,17 @@ class LevelController:
             self._settled = True
             self._start_window(now)
         self._in_flight.append(in_flight)
-        enough = max(2 * self.level, 8) if now - self._changed_at < MAX_WINDOW_S else max(self.level // 2, 8)
+        rate = self.level * self._tokens / max(self._seconds, 1e-9)
+        enough = max(2 * self.level, 8)
+        if now - self._changed_at >= MAX_WINDOW_S or self._far_worse(rate, EARLY_OUT):
+            # a level this bad costs more to measure than it can teach. (At SHIFT, the first requests to finish, the
+            # short ones, in which the time to first token weighs most, misread good levels as far worse)
+            enough = max(self.level // 2, 8)
         if self._requests < enough or now - self._changed_at < self.min_window_s:
             return None
         if min(self._in_flight) < 0.8 * self.level:  # not enough work to fill the level: nothing to learn
             self._start_window(now)
             return None
-        rate = self.level * self._tokens / max(self._seconds, 1e-9)
         self.history.append((now, self.level, rate))
         new = self._next_level(rate)
         self._start_window(now)
@@ -116,34 +129,58 @@ class LevelController:
     def _next_level(self, rate: float) -> int:
         if self._phase == "best":
             self._arrived = False
+            if self._up_only:  # a knee that moves down shows here, at the best: then look down first
+                dropped = rate < self.best_rate * (1 - 2 * NOISE)
+                self._up_only, self.direction = (0, -1) if dropped else (self._up_only, 1)
+                if self._up_only and self.best >= self.high:  # no level above to probe: the cycle is this window
+                    self._up_only -= 1
+                    self.best_rate = rate
+                    return self.best
             if self.best_rate and abs(rate / self.best_rate - 1) > SHIFT:
                 # the best level itself got much slower (the KV cache filled: the knee moved down) or faster: look
                 # far again, first towards where the change points
                 self.step = max(self.step, SHIFT_STEP)
                 self.direction = 1 if rate > self.best_rate else -1
+            self._shifted_down = self.best_rate > 0 and rate < self.best_rate * (1 - SHIFT)
             self.best_rate = rate
             return self._probe("first", self.direction)
         below = self.level < self.best  # as good with fewer in flight is better: less queueing, the same tok/s
         if rate > self.best_rate * (1 + NOISE) or (below and rate >= self.best_rate * (1 - NOISE / 2)):
             # a better level: move there, stride out the same way (or back, see _stride)
             self.step, self.direction = self._stride(rate, below)
-            self.best, self.best_rate, self._arrived = self.level, rate, True
+            self.best, self.best_rate, self._arrived, self._up_only = self.level, rate, True, 0
+            self._shifted_down = False
             return self._probe("first", self.direction)
         self._climbs = 0
-        far_worse = rate < self.best_rate * (1 - SHIFT) * min(1.0, self.level / self.best)
-        if self._phase == "first" and not far_worse:
+        if self._phase == "first" and self._up_only and self.level > self.best:
+            self._up_only -= 1
+            self._phase = "best"
+            return self.best
+        if self._phase == "first" and self._shifted_down and not self._far_worse(rate):
+            # that window of the best may have run partly before the change: its figure is too high, and a level
+            # below that is better now can measure worse than it. Levels above are only worse when the knee moved
+            # down: measure the best again (not the other side by the long step), then look down again
+            self._shifted_down = False
+            self._phase = "best"
+            return self.best
+        if self._phase == "first" and not self._far_worse(rate):
             if self._arrived and self.step > MIN_STEP:  # the other side is where the best came from, known worse:
                 # look between instead (unless between is where it just looked)
                 self.step = max(MIN_STEP, self.step / 2)
                 level = self._probe("second", self.direction)
                 if level != self.level:
                     return level
-            return self._probe("second", -self.direction)
+            level = self._probe("second", -self.direction)
+            if level != self.level:
+                return level
+            # at a bound both sides are the level just measured: the cycle is over (_phase is now "second")
         # neither side pays: look closer. A first neighbour far worse than the best (more than SHIFT below it, or
         # below what its fewer requests in flight would give: past a knee, or the server changed) is not followed by
         # the other side: the best is measured again now, and the next cycle looks at the other side first
         if self._phase == "first":
-            self.direction = -self.direction
+            self.direction, self._up_only = -self.direction, 0
+        elif self.step <= MIN_STEP:  # settled: see UP_ONLY_CYCLES
+            self._up_only = UP_ONLY_CYCLES
         self.step = max(MIN_STEP, self.step / 2)
         self._phase = "best"
         return self.best
@@ -192,6 +229,10 @@ class LevelController:
             nearest = max(further) if below else min(further)
             step = min(step, abs(math.log(nearest / self.level)) / 2)
         return max(MIN_STEP, min(MAX_STEP, step)), direction
+
+    def _far_worse(self, rate: float, by: float = SHIFT) -> bool:
+        """More than `by` below the best, or for a lower level below what its fewer requests in flight would give."""
+        return rate < self.best_rate * (1 - by) * min(1.0, self.level / self.best)
 
     def _probe(self, phase: str, direction: int) -> int:
         """The neighbour of the best one step towards `direction` (at a bound: the other side)."""
