@@ -9,7 +9,11 @@ the whole request phase (output tok/s in run.json: the climb included) and the s
 produced from STEADY_FROM_S to STEADY_TO_S after the stage started, the same window for every run). Goals: auto
 >= 0.95x the best fixed level; within 10% of it after the knee moved.
 
-    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 800] [--moved-only]
+`--repeats N` runs instead, N times over: the best fixed level (the knee), auto from the misleading assessment and
+auto from nothing, each pair side by side, and prints the spread of each ratio (these machines are noisy). With more
+`--prompts` the climb weighs less in the whole run, as in a real run of days.
+
+    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 800] [--moved-only | --repeats 3]
 """
 from __future__ import annotations
 
@@ -101,6 +105,7 @@ def main() -> None:
     parser.add_argument("--knee", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=800)
     parser.add_argument("--moved-only", action="store_true", help="only the moved knee (about 6 minutes)")
+    parser.add_argument("--repeats", type=int, default=0, help="auto against the knee's fixed level, N times")
     args = parser.parse_args()
     knee, n = args.knee, args.prompts
     server, root = start_server({**SERVER, "knee": knee})
@@ -110,16 +115,36 @@ def main() -> None:
             print(f"knee at {knee} in flight (unknown to the stage); {n} prompts per run", flush=True)
             if args.moved_only:
                 return moved_knee(root, tmp, knee, n, assessment(tmp, root, 16 if knee < 16 else 4, 0.0))
+            if args.repeats:
+                return repeats(root, tmp, knee, n, args.repeats)
             fixed = sweep(root, tmp, [knee // 3, knee // 2, knee - 2, knee, knee + 2, 2 * knee], n, "k1-")
             # what assess's default sweep [1, 4, 16] would report as best: a level past the knee
             start = assessment(tmp, root, 16 if knee < 16 else 4, fixed[2 * knee][0])
-            report("auto, starting at 16 (a misleading assessment)",
-                   run_stage(root, tmp, "auto", n, "generation.concurrency=auto", f"generate.assessment={start}"), fixed)
+            auto = run_stage(root, tmp, "auto", n, "generation.concurrency=auto", f"generate.assessment={start}")
+            report("auto, starting at 16 (a misleading assessment)", auto, fixed)
             report("auto, no assessment (climbing from 4)",
                    run_stage(root, tmp, "cold", n, "generation.concurrency=auto", "generate.assessment=null"), fixed)
             moved_knee(root, tmp, knee, n, start)
     finally:
         server.kill()
+
+
+def repeats(root: str, tmp: Path, knee: int, n: int, runs: int) -> None:
+    """`runs` rounds of: the fixed level at the knee, then auto from a misleading assessment and from nothing."""
+    start = assessment(tmp, root, 16 if knee < 16 else 4, 0.0)
+    ratios = {"from an assessment": [], "from nothing": []}
+    for i in range(runs):
+        fixed = sweep(root, tmp, [knee], n, f"r{i}-")
+        for label, extra in (("from an assessment", f"generate.assessment={start}"),
+                             ("from nothing", "generate.assessment=null")):
+            auto = run_stage(root, tmp, f"r{i}-{label[5:9]}", n, "generation.concurrency=auto", extra)
+            report(f"  auto {label}", auto, fixed)
+            ratios[label].append((auto[0] / fixed[knee][0], auto[1] / fixed[knee][1]))
+    for label, pairs in ratios.items():
+        whole, steady = (sorted(p[k] for p in pairs) for k in (0, 1))
+        print(f"auto {label}, {runs} runs against the fixed {knee} beside each: whole run "
+              f"{', '.join(f'{r:.2f}' for r in whole)} (median {whole[len(whole) // 2]:.2f}); steady "
+              f"{', '.join(f'{r:.2f}' for r in steady)} (median {steady[len(steady) // 2]:.2f})", flush=True)
 
 
 def moved_knee(root: str, tmp: Path, knee: int, n: int, start: Path) -> None:
