@@ -24,8 +24,8 @@ level further on that measured worse in the last RECENT windows. When neither ne
 MIN_STEP, so the level ends up spending its time at the best and one small step either side of it. Once a cycle at
 MIN_STEP finds neither neighbour better, the next UP_ONLY_CYCLES cycles probe only the level above (a knee that moves
 down shows at the best itself, one that moves up only above it; at concurrency_max they are the best alone): at a knee
-of 12 the steady share of the best goes from 0.96 to 0.97; a best that measures more than 2 x NOISE worse than before
-ends them, and the search looks down first. A first neighbour more than SHIFT below the best (for the lower one: below
+of 12 the steady share of the best goes from 0.96 to 0.97; a best that measures more than 2 x NOISE worse than its
+last figure ends them, and the search looks down first (a slower fall is met by the next full cycle). A first neighbour more than SHIFT below the best (for the lower one: below
 what its fewer requests would give) sends the search back to the best at once (the server may have changed), and the
 next cycle looks at the other side first. When the best level, measured again, is more than SHIFT off its last figure,
 the server has changed (a filling KV cache moves the knee down): the step grows back to SHIFT_STEP, towards where the
@@ -50,7 +50,7 @@ NOISE = 0.03  # relative throughput difference read as a real change
 SHIFT, SHIFT_STEP = 0.3, math.log(1.5)  # the best level re-measured this much off: the server changed; step again
 CLIMB_STEP = math.log(1.25)  # the least step while tok/s still grows in proportion to the level
 EARLY_OUT = 0.5  # a window this far below the best after half its requests is decided then (see tick)
-UP_ONLY_CYCLES = 3  # once settled, cycles that probe only the level above before one that probes both sides
+UP_ONLY_CYCLES = 2  # once settled, cycles that probe only the level above before one that probes both sides
 RECENT = 6  # windows whose measurements bound a stride (a knee that moves is re-measured within a few)
 MAX_WINDOW_S = 15.0  # past this, half a level's worth of requests is enough (a level far past the knee is slow)
 
@@ -156,7 +156,7 @@ class LevelController:
             self._up_only -= 1
             self._phase = "best"
             return self.best
-        if self._phase == "first" and self._shifted_down and not self._far_worse(rate):
+        if self._phase == "first" and self._shifted_down and self.level < self.best and not self._far_worse(rate):
             # that window of the best may have run partly before the change: its figure is too high, and a level
             # below that is better now can measure worse than it. Levels above are only worse when the knee moved
             # down: measure the best again (not the other side by the long step), then look down again
