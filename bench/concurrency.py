@@ -142,7 +142,7 @@ def repeats(root: str, tmp: Path, knee: int, n: int, runs: int) -> None:
             ratios[label].append((auto[0] / fixed[knee][0], auto[1] / fixed[knee][1]))
     for label, pairs in ratios.items():
         whole, steady = (sorted(p[k] for p in pairs) for k in (0, 1))
-        print(f"auto {label}, {runs} runs against the fixed {knee} beside each: whole run "
+        print(f"auto {label}, {runs} run{'s' if runs > 1 else ''} against the fixed {knee} beside each: whole run "
               f"{', '.join(f'{r:.2f}' for r in whole)} (median {whole[len(whole) // 2]:.2f}); steady "
               f"{', '.join(f'{r:.2f}' for r in steady)} (median {steady[len(steady) // 2]:.2f})", flush=True)
 
