@@ -135,9 +135,9 @@ def repeats(root: str, tmp: Path, knee: int, n: int, runs: int) -> None:
     ratios = {"from an assessment": [], "from nothing": []}
     for i in range(runs):
         fixed = sweep(root, tmp, [knee], n, f"r{i}-")
-        for label, extra in (("from an assessment", f"generate.assessment={start}"),
-                             ("from nothing", "generate.assessment=null")):
-            auto = run_stage(root, tmp, f"r{i}-{label[5:9]}", n, "generation.concurrency=auto", extra)
+        for label, tag, extra in (("from an assessment", "assessed", f"generate.assessment={start}"),
+                                  ("from nothing", "cold", "generate.assessment=null")):
+            auto = run_stage(root, tmp, f"r{i}-{tag}", n, "generation.concurrency=auto", extra)
             report(f"  auto {label}", auto, fixed)
             ratios[label].append((auto[0] / fixed[knee][0], auto[1] / fixed[knee][1]))
     for label, pairs in ratios.items():

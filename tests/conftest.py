@@ -68,20 +68,19 @@ class FakeServerProcess:
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
     def stats(self, **query) -> dict:
-        import json as _json
         import urllib.parse
-        import urllib.request
 
-        qs = urllib.parse.urlencode(query)
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats?{qs}", timeout=10) as resp:
-            return _json.loads(resp.read())
+        return self._get(f"/stats?{urllib.parse.urlencode(query)}")
 
     def requests(self) -> list[dict]:
         """Every chat request received, in order: {"index", "received" (time.time()), "body"}."""
+        return self._get("/requests")
+
+    def _get(self, path: str):
         import json as _json
         import urllib.request
 
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/requests", timeout=10) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as resp:
             return _json.loads(resp.read())
 
     def stop(self) -> None:

@@ -8,35 +8,36 @@ capacity measures no better. A step down is measured once the requests above it 
 enough work to fill the level (the end of the input), nothing is decided.
 
 How the level moves: a pattern search around the best level known, in log steps. A cycle measures the best level again
-(so a knee that moves is noticed), then its neighbour one step away in the direction that last paid off, then the
-other neighbour. A neighbour that beats the best by more than NOISE (the lower one: that is no worse than it by more
-than NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best, and the step
-follows the curve's shape: going up, while tok/s grew about in proportion to the level (elasticity > 0.8: the knee is
-well above, or moved up) it climbs on in equal steps of at least CLIMB_STEP (growing ones overshoot a knee near by),
-growing by half from the fourth such climb in a row (a knee far above); once it grew much less (< 0.5: the curve bent
-between the two, so the knee is there) it halves and looks back between first, in between it is at most CLIMB_STEP;
-going down it grows by half (towards 2x), unless tok/s grew in proportion from the nearest level below measured in the
-last RECENT windows up to this one: lower levels can then only be worse, and the next probe goes up, halfway to the
-nearest level above that measured worse (the one just beaten, or one between) (from nothing: 4, 8, 16 past a knee at
-12, then 11 beats 16 and 13 is next, not 9). After a stride, a probe further on that fails is followed by one halfway
-back, not by the other side (where the best came from, known worse), and a stride never reaches past halfway to a
-level further on that measured worse in the last RECENT windows. When neither neighbour pays, the step halves, down to
-MIN_STEP, so the level ends up spending its time at the best and one small step either side of it. Once a cycle at
-MIN_STEP finds neither neighbour better, the next UP_ONLY_CYCLES cycles probe only the level above (a knee that moves
-down shows at the best itself, one that moves up only above it; at concurrency_max they are the best alone): at a knee
-of 12 the steady share of the best goes from 0.96 to 0.97; a best that measures more than 2 x NOISE worse than its
-last figure ends them, and the search looks down first (a slower fall is met by the next full cycle). A first neighbour more than SHIFT below the best (for the lower one: below
-what its fewer requests would give) sends the search back to the best at once (the server may have changed), and the
-next cycle looks at the other side first. When the best level, measured again, is more than SHIFT off its last figure,
-the server has changed (a filling KV cache moves the knee down): the step grows back to SHIFT_STEP, towards where the
-change points. When it fell, that window may have run partly before the fall and read too high: a level below that
-then measures worse than it (but not far worse) is followed by the best again, not by the other side. A knee that moves
-up does not show at the best level (below it before and after), only at a level above: one that beats the best and
-measures more than 2 x NOISE better than it did in the last RECENT windows means the knee moved up, and the search
-strides on up by SHIFT_STEP (the measurements further on are stale), not in CLIMB_STEPs. The search starts from the
-assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first (a level past
-the knee is the slow one to measure), or without one from 4, doubling. A window decides on half a level's worth of
-requests, not 2 x level, once it has run MAX_WINDOW_S or when it measures more than EARLY_OUT below the best by then.
+(so a knee that moves is noticed), then its neighbour one step away in the direction that last paid off, then the other
+neighbour. A neighbour that beats the best by more than NOISE (the lower one: that is no worse than it by more than
+NOISE/2, since fewer requests in flight for the same tok/s means less queueing) becomes the best, and the step follows
+the curve's shape: going up, while tok/s grew about in proportion to the level (elasticity > 0.8: the knee is well
+above, or moved up) it climbs on in equal steps of at least CLIMB_STEP (growing ones overshoot a knee near by), growing
+by half from the fourth such climb in a row (a knee far above); once it grew much less (< 0.5: the curve bent between
+the two, so the knee is there) it halves and looks back between first, in between it is at most CLIMB_STEP; going down
+it grows by half (towards 2x), unless tok/s grew in proportion from the nearest level below measured in the last RECENT
+windows up to this one: lower levels can then only be worse, and the next probe goes up, halfway to the nearest level
+above that measured worse (the one just beaten, or one between) (from nothing: 4, 8, 16 past a knee at 12, then 11 beats
+16 and 13 is next, not 9). After a stride, a probe further on that fails is followed by one halfway back, not by the
+other side (where the best came from, known worse), and a stride never reaches past halfway to a level further on that
+measured worse in the last RECENT windows. When neither neighbour pays, the step halves, down to MIN_STEP, so the level
+ends up spending its time at the best and one small step either side of it. Once a cycle at MIN_STEP finds neither
+neighbour better, the next UP_ONLY_CYCLES cycles probe only the level above (a knee that moves down shows at the best
+itself, one that moves up only above it; at concurrency_max they are the best alone): at a knee of 12 the steady share
+of the best goes from 0.96 to 0.97; a best that measures more than 2 x NOISE worse than its last figure ends them, and
+the search looks down first (a slower fall is met by the next full cycle). A first neighbour more than SHIFT below the
+best (for the lower one: below what its fewer requests would give) sends the search back to the best at once (the server
+may have changed), and the next cycle looks at the other side first. When the best level, measured again, is more than
+SHIFT off its last figure, the server has changed (a filling KV cache moves the knee down): the step grows back to
+SHIFT_STEP, towards where the change points. When it fell, that window may have run partly before the fall and read too
+high: a level below that then measures worse than it (but not far worse) is followed by the best again, not by the other
+side. A knee that moves up does not show at the best level (below it before and after), only at a level above: one that
+beats the best and measures more than 2 x NOISE better than it did in the last RECENT windows means the knee moved up,
+and the search strides on up by SHIFT_STEP (the measurements further on are stale), not in CLIMB_STEPs. The search
+starts from the assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first
+(a level past the knee is the slow one to measure), or without one from 4, doubling. A window decides on half a level's
+worth of requests, not 2 x level, once it has run MAX_WINDOW_S or when it measures more than EARLY_OUT below the best by
+then.
 """
 from __future__ import annotations
 
@@ -136,12 +137,13 @@ class LevelController:
                     self._up_only -= 1
                     self.best_rate = rate
                     return self.best
-            if self.best_rate and abs(rate / self.best_rate - 1) > SHIFT:
+            shifted = self.best_rate > 0 and abs(rate / self.best_rate - 1) > SHIFT
+            if shifted:
                 # the best level itself got much slower (the KV cache filled: the knee moved down) or faster: look
                 # far again, first towards where the change points
                 self.step = max(self.step, SHIFT_STEP)
                 self.direction = 1 if rate > self.best_rate else -1
-            self._shifted_down = self.best_rate > 0 and rate < self.best_rate * (1 - SHIFT)
+            self._shifted_down = shifted and rate < self.best_rate
             self.best_rate = rate
             return self._probe("first", self.direction)
         below = self.level < self.best  # as good with fewer in flight is better: less queueing, the same tok/s
