@@ -183,36 +183,6 @@ def test_a_level_far_worse_than_the_best_is_decided_on_half_its_requests():
         assert (controller.tick(32) is not None) == decided, latency
 
 
-def test_from_nothing_the_climb_decides_each_level_on_one_request_lifetime():
-    """From nothing, while each level beat the one before in proportion, a window waits for one level's worth of
-    requests (about a request's lifetime), not two: the climb to the knee is half as long. The window in which the
-    curve bends (16 past a knee of 12) ends the climb; from there windows wait for 2 x level again."""
-    clock = [0.0]
-    controller = make(None, clock)
-    for level, latency, count, expected in ((4, 1.0, 8, 8), (8, 1.0, 8, 16), (16, 1.6, 16, 11)):
-        clock[0] += 2.5
-        for _ in range(count - 1):
-            controller.completed(TOKENS, latency)
-        assert controller.tick(level) is None, level  # one request short
-        controller.completed(TOKENS, latency)
-        assert controller.tick(level) == expected, level
-    assert controller.tick(11) is None  # the step down settles: the window starts now
-    clock[0] += 2.5
-    for _ in range(11):
-        controller.completed(TOKENS, 1.0)
-    assert controller.tick(11) is None  # past the climb: 22 requests
-    for _ in range(11):
-        controller.completed(TOKENS, 1.0)
-    assert controller.tick(11) is not None
-    # from an assessment there is no climb: a window at 16 waits for 32 requests
-    clock = [0.0]
-    controller = make(16, clock)
-    clock[0] += 2.5
-    for _ in range(16):
-        controller.completed(TOKENS, 1.0)
-    assert controller.tick(16) is None
-
-
 def test_a_best_measured_across_a_fall_is_measured_again_before_the_other_side_is_probed():
     """The knee falls while the best (17) is being measured: its window, partly before the fall, reads 425 tok/s
     where 274 is now true. The search looks down (11); 11 measures 341, better than 17 now but worse than 425. Levels

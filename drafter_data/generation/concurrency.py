@@ -35,11 +35,9 @@ side. A knee that moves up does not show at the best level (below it before and 
 beats the best and measures more than 2 x NOISE better than it did in the last RECENT windows means the knee moved up,
 and the search strides on up by SHIFT_STEP (the measurements further on are stale), not in CLIMB_STEPs. The search
 starts from the assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first
-(a level past the knee is the slow one to measure), or without one from 4, doubling. From nothing, while every level so
-far beat the one before in proportion (the climb), a window decides on one level's worth of requests (a request
-lifetime, not two: from nothing to a knee of 12, the first 30 s of a simulated run give 0.73 of the best, not 0.69). A
-window decides on half a level's worth of requests, not 2 x level, once it has run MAX_WINDOW_S or when it measures more
-than EARLY_OUT below the best by then.
+(a level past the knee is the slow one to measure), or without one from 4, doubling. A window decides on half a level's
+worth of requests, not 2 x level, once it has run MAX_WINDOW_S or when it measures more than EARLY_OUT below the best by
+then.
 """
 from __future__ import annotations
 
@@ -81,7 +79,6 @@ class LevelController:
     _climbs: int = 0  # better levels in a row found going up with tok/s growing in proportion
     _shifted_down: bool = False  # the best's last figure came from the window that found it much slower
     _up_only: int = 0  # settled cycles still to come that probe only the level above the best
-    _climbing: bool = False  # from nothing, each level so far beat the one before in proportion
 
     def __post_init__(self):
         self.level = self.best = self._clamp(self.level)
@@ -92,7 +89,7 @@ class LevelController:
         """From the assessed best level (small steps around it), or from 4, doubling until the curve turns."""
         if level:  # probed downwards first: a level past the knee is the slow one to measure
             return cls(level=level, low=low, high=high, step=math.log(1.25), direction=-1, **kw)
-        return cls(level=4, low=low, high=high, _climbing=True, **kw)
+        return cls(level=4, low=low, high=high, **kw)
 
     def completed(self, tokens: int, latency_s: float) -> None:
         """A request of this server finished; it counts when it was sent at the current level."""
@@ -112,7 +109,7 @@ class LevelController:
             self._start_window(now)
         self._in_flight.append(in_flight)
         rate = self.level * self._tokens / max(self._seconds, 1e-9)
-        enough = max(self.level if self._climbing else 2 * self.level, 8)
+        enough = max(2 * self.level, 8)
         if now - self._changed_at >= MAX_WINDOW_S or self._far_worse(rate, EARLY_OUT):
             # a level this bad costs more to measure than it can teach. (At SHIFT, the first requests to finish, the
             # short ones, in which the time to first token weighs most, misread good levels as far worse)
@@ -124,8 +121,6 @@ class LevelController:
             return None
         self.history.append((now, self.level, rate))
         new = self._next_level(rate)
-        # the climb goes on while each level beat the last in proportion (the first window has nothing to beat)
-        self._climbing = self._climbing and (self._climbs > 0 or len(self.history) == 1)
         self._start_window(now)
         self._settled = new >= self.level
         changed = new != self.level
