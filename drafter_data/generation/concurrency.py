@@ -35,9 +35,9 @@ side. A knee that moves up does not show at the best level (below it before and 
 beats the best and measures more than 2 x NOISE better than it did in the last RECENT windows means the knee moved up,
 and the search strides on up by SHIFT_STEP (the measurements further on are stale), not in CLIMB_STEPs. The search
 starts from the assessed best level (assess's metrics.json, for the server it measured) in small steps, downwards first
-(a level past the knee is the slow one to measure), or without one from 4, doubling. A window decides on half a level's
-worth of requests, not 2 x level, once it has run MAX_WINDOW_S or when it measures more than EARLY_OUT below the best by
-then.
+(a level past the knee is the slow one to measure), or without one from 4 (concurrency_min when higher), doubling. A
+window decides on half a level's worth of requests, not 2 x level, once it has run MAX_WINDOW_S or when it measures more
+than EARLY_OUT below the best by then.
 """
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ class LevelController:
 
     @classmethod
     def starting_at(cls, level: int | None, low: int, high: int, **kw) -> LevelController:
-        """From the assessed best level (small steps around it), or from 4, doubling until the curve turns."""
+        """From the assessed best level (small steps around it), or from 4 (`low` when higher), doubling until the curve
+        turns."""
         if level:  # probed downwards first: a level past the knee is the slow one to measure
             return cls(level=level, low=low, high=high, step=math.log(1.25), direction=-1, **kw)
         return cls(level=4, low=low, high=high, **kw)
