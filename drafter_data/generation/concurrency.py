@@ -5,7 +5,14 @@ tokens/s = level x (tokens per request) / (seconds per request), over at least 2
 fast server, a few request lifetimes on a slow one). Unlike counting the tokens that happen to finish in a window it
 has little noise, and queueing shows in it: requests that wait for a slot take longer, so a level past the server's
 capacity measures no better. A step down is measured once the requests above it have drained; when there is not
-enough work to fill the level (the end of the input), nothing is decided.
+enough work to fill the level (the end of the input), nothing is decided. Each window also estimates its own noise,
+the relative standard error of its rate (long-tailed lengths and a long time to first token make a window of a few
+dozen requests read +-5-15%): a neighbour that beats the best by more than NOISE but by less than SIGNIFICANCE standard
+errors of the two windows is not taken at once; the next cycle measures it again first, and it is taken when it wins
+again (a real slope wins twice, noise seldom does). The tests for a fall at the best (2 x NOISE, SHIFT) widen by the
+same margin. At K2.6's levels (windows of hundreds of requests) the margin is about nil; on a simulated server with a
+knee of 8-32, a 0.3-3 s time to first token and long-tailed lengths, steady state went from 0.909 to 0.937 of the best
+fixed level (9 workloads, 10 seeds, two starts).
 
 How the level moves: a pattern search around the best level known, in log steps. A cycle measures the best level again
 (so a knee that moves is noticed), then its neighbour one step away in the direction that last paid off, then the other
@@ -48,6 +55,7 @@ from dataclasses import dataclass, field
 MIN_STEP = math.log(1.06)
 MAX_STEP = math.log(2.0)
 NOISE = 0.03  # relative throughput difference read as a real change
+SIGNIFICANCE = 1.2  # a difference within this many standard errors of the two windows' rates must be seen twice
 SHIFT, SHIFT_STEP = 0.3, math.log(1.5)  # the best level re-measured this much off: the server changed; step again
 CLIMB_STEP = math.log(1.25)  # the least step while tok/s still grows in proportion to the level
 EARLY_OUT = 0.5  # a window this far below the best after half its requests is decided then (see tick)
@@ -79,6 +87,10 @@ class LevelController:
     _climbs: int = 0  # better levels in a row found going up with tok/s growing in proportion
     _shifted_down: bool = False  # the best's last figure came from the window that found it much slower
     _up_only: int = 0  # settled cycles still to come that probe only the level above the best
+    _moments: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # the window's sums of t*t, t*s, s*s per request
+    _noise: float = 0.0  # the relative standard error of the last window's rate
+    best_noise: float = 0.0  # that of the best level's last window
+    _unconfirmed: int = 0  # a level that beat the best within the windows' noise: measured again before it is taken
 
     def __post_init__(self):
         self.level = self.best = self._clamp(self.level)
@@ -98,6 +110,9 @@ class LevelController:
             self._tokens += tokens
             self._seconds += latency_s
             self._requests += 1
+            self._moments[0] += tokens * tokens
+            self._moments[1] += tokens * latency_s
+            self._moments[2] += latency_s * latency_s
 
     def tick(self, in_flight: int) -> int | None:
         """Called about once a second with the server's requests in flight: returns the new level when it
@@ -121,6 +136,7 @@ class LevelController:
             self._start_window(now)
             return None
         self.history.append((now, self.level, rate))
+        self._noise = self._window_noise()
         new = self._next_level(rate)
         self._start_window(now)
         self._settled = new >= self.level
@@ -132,28 +148,36 @@ class LevelController:
         if self._phase == "best":
             self._arrived = False
             if self._up_only:  # a knee that moves down shows here, at the best: then look down first
-                dropped = rate < self.best_rate * (1 - 2 * NOISE)
+                dropped = rate < self.best_rate * (1 - 2 * NOISE - self._margin())
                 self._up_only, self.direction = (0, -1) if dropped else (self._up_only, 1)
                 if self._up_only and self.best >= self.high:  # no level above to probe: the cycle is this window
                     self._up_only -= 1
-                    self.best_rate = rate
+                    self.best_rate, self.best_noise = rate, self._noise
                     return self.best
-            shifted = self.best_rate > 0 and abs(rate / self.best_rate - 1) > SHIFT
+            shifted = self.best_rate > 0 and abs(rate / self.best_rate - 1) > SHIFT + self._margin()
             if shifted:
                 # the best level itself got much slower (the KV cache filled: the knee moved down) or faster: look
                 # far again, first towards where the change points
                 self.step = max(self.step, SHIFT_STEP)
                 self.direction = 1 if rate > self.best_rate else -1
             self._shifted_down = shifted and rate < self.best_rate
-            self.best_rate = rate
+            self.best_rate, self.best_noise = rate, self._noise
             return self._probe("first", self.direction)
         below = self.level < self.best  # as good with fewer in flight is better: less queueing, the same tok/s
-        if rate > self.best_rate * (1 + NOISE) or (below and rate >= self.best_rate * (1 - NOISE / 2)):
+        margin = self._margin()
+        wins = rate > self.best_rate * (1 + NOISE) or (below and rate >= self.best_rate * (1 - NOISE / 2))
+        clearly = (rate > self.best_rate * (1 + NOISE + margin)
+                   or (below and rate >= self.best_rate * (1 - NOISE / 2 + margin)))
+        if wins and (clearly or self._unconfirmed == self.level):
             # a better level: move there, stride out the same way (or back, see _stride)
             self.step, self.direction = self._stride(rate, below)
             self.best, self.best_rate, self._arrived, self._up_only = self.level, rate, True, 0
-            self._shifted_down = False
+            self.best_noise, self._shifted_down, self._unconfirmed = self._noise, False, 0
             return self._probe("first", self.direction)
+        if wins:  # within the noise of the two windows: this level is measured again next cycle (see below)
+            self._unconfirmed = self.level
+        elif self._unconfirmed == self.level:
+            self._unconfirmed = 0
         self._climbs = 0
         if self._phase == "first" and self._up_only and self.level > self.best:
             self._up_only -= 1
@@ -180,6 +204,11 @@ class LevelController:
         # neither side pays: look closer. A first neighbour far worse than the best (more than SHIFT below it, or
         # below what its fewer requests in flight would give: past a knee, or the server changed) is not followed by
         # the other side: the best is measured again now, and the next cycle looks at the other side first
+        if self._unconfirmed:  # the next cycle measures the level that won within the noise again, first
+            self.direction, self._up_only = (1 if self._unconfirmed > self.best else -1), 0
+            self.step = abs(math.log(self._unconfirmed / self.best))
+            self._phase = "best"
+            return self.best
         if self._phase == "first":
             self.direction, self._up_only = -self.direction, 0
         elif self.step <= MIN_STEP:  # settled: see UP_ONLY_CYCLES
@@ -233,6 +262,22 @@ class LevelController:
             step = min(step, abs(math.log(nearest / self.level)) / 2)
         return max(MIN_STEP, min(MAX_STEP, step)), direction
 
+    def _window_noise(self) -> float:
+        """The relative standard error of the window's rate (a ratio estimator, tokens / seconds over its requests):
+        near 0 when every request ran at the same tokens/s, large for a few requests of mixed lengths with a long time
+        to first token."""
+        n, tokens, seconds = self._requests, self._tokens, self._seconds
+        if n < 2 or tokens <= 0:
+            return 0.0
+        ratio = tokens / seconds
+        tt, ts, ss = self._moments
+        spread = max(0.0, (tt - 2 * ratio * ts + ratio * ratio * ss) / (n - 1))  # of tokens - ratio x seconds
+        return math.sqrt(spread * n) / tokens
+
+    def _margin(self) -> float:
+        """What the two windows' noise adds to NOISE: a difference inside it is seen twice before it counts."""
+        return max(0.0, SIGNIFICANCE * math.hypot(self._noise, self.best_noise) - NOISE)
+
     def _far_worse(self, rate: float, by: float = SHIFT) -> bool:
         """More than `by` below the best, or for a lower level below what its fewer requests in flight would give."""
         return rate < self.best_rate * (1 - by) * min(1.0, self.level / self.best)
@@ -251,6 +296,7 @@ class LevelController:
 
     def _start_window(self, now: float) -> None:
         self._changed_at, self._tokens, self._seconds, self._requests, self._in_flight = now, 0, 0.0, 0, []
+        self._moments = [0.0, 0.0, 0.0]
 
     def _clamp(self, level: int) -> int:
         return max(self.low, min(self.high, int(level)))
