@@ -89,8 +89,11 @@ def pipeline_repo(tmp_path_factory, llama_server, mlflow_uri):
     outside = write_jsonl_prompts(tmp / "prompts" / "q.jsonl", ["Name a prime.", "Name a colour.", "Name a cat."])
     exp_name = f"storage-{uuid.uuid4().hex[:8]}"
     started = time.time()
+    # over 3 rows of 8 tokens one answer the model split its own way is a drift rate of 0.33: the drift guard is not
+    # what these tests are about (tests/test_tokenize_ids.py), as in the other real-server runs
     out = dvc(repo, env, "exp", "run", "-n", exp_name, "-S", sources_override(("q", outside, "auto")),
-              *server_overrides(llama_server), "-S", "assess.concurrency=[1]", "-S", "assess.requests_per_level=3")
+              *server_overrides(llama_server), "-S", "assess.concurrency=[1]", "-S", "assess.requests_per_level=3",
+              "-S", "tokenize.max_drift_rate=1")
     assert all(ran(out, stage) for stage in STAGES), out
     subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True)
     subprocess.run(["git", "commit", "-qm", "tiny pipeline run"], cwd=repo, env=env, check=True)
