@@ -5,14 +5,16 @@ tokens/s = level x (tokens per request) / (seconds per request), over at least 2
 fast server, a few request lifetimes on a slow one). Unlike counting the tokens that happen to finish in a window it
 has little noise, and queueing shows in it: requests that wait for a slot take longer, so a level past the server's
 capacity measures no better. A step down is measured once the requests above it have drained; when there is not
-enough work to fill the level (the end of the input), nothing is decided. Each window also estimates its own noise,
-the relative standard error of its rate (long-tailed lengths and a long time to first token make a window of a few
-dozen requests read +-5-15%): a neighbour that beats the best by more than NOISE but by less than SIGNIFICANCE standard
-errors of the two windows is not taken at once; the next cycle measures it again first, and it is taken when it wins
-again (a real slope wins twice, noise seldom does). The tests for a fall at the best (2 x NOISE, SHIFT) widen by the
-same margin. At K2.6's levels (windows of hundreds of requests) the margin is about nil; on a simulated server with a
-knee of 8-32, a 0.3-3 s time to first token and long-tailed lengths, steady state went from 0.909 to 0.937 of the best
-fixed level (9 workloads, 10 seeds, two starts).
+enough work to fill the level (the end of the input), nothing is decided. Each window also estimates its own noise, the
+relative standard error of its rate (long-tailed lengths and a long time to first token make a window of a few dozen
+requests read +-3-15%): a neighbour that beats the best by more than NOISE but by less than SIGNIFICANCE standard errors
+of the two windows is not taken at once; the next cycle measures it again first, and it is taken when it wins again (a
+real slope wins twice, noise seldom does), or at once when it also beats its own last figures by 2 x NOISE plus that
+margin (the knee moved up: see below). The first such level waits for its second measurement; another level's win in
+between does not replace it. The tests for a change at the best (a drop of 2 x NOISE, a shift of SHIFT) widen by the
+same margin. At K2.6's levels (windows of hundreds of requests) the margin is small (about 1% at 200 requests of a
+workload with a 1.5 s time to first token); on a simulated server with a knee of 8-64, a 0.3-3 s time to first token and
+long-tailed lengths, steady state went from 0.909 to 0.932 of the best fixed level (9 workloads, 10 seeds, two starts).
 
 How the level moves: a pattern search around the best level known, in log steps. A cycle measures the best level again
 (so a knee that moves is noticed), then its neighbour one step away in the direction that last paid off, then the other
@@ -168,13 +170,15 @@ class LevelController:
         wins = rate > self.best_rate * (1 + NOISE) or (below and rate >= self.best_rate * (1 - NOISE / 2))
         clearly = (rate > self.best_rate * (1 + NOISE + margin)
                    or (below and rate >= self.best_rate * (1 - NOISE / 2 + margin)))
-        if wins and (clearly or self._unconfirmed == self.level):
+        before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level and r > 0]
+        moved_up = not below and before and rate > max(before) * (1 + 2 * NOISE + margin)  # see _stride
+        if wins and (clearly or moved_up or self._unconfirmed == self.level):
             # a better level: move there, stride out the same way (or back, see _stride)
             self.step, self.direction = self._stride(rate, below)
             self.best, self.best_rate, self._arrived, self._up_only = self.level, rate, True, 0
             self.best_noise, self._shifted_down, self._unconfirmed = self._noise, False, 0
             return self._probe("first", self.direction)
-        if wins:  # within the noise of the two windows: this level is measured again next cycle (see below)
+        if wins and not self._unconfirmed:  # within the noise of the two windows: measured again next cycle (below)
             self._unconfirmed = self.level
         elif self._unconfirmed == self.level:
             self._unconfirmed = 0
@@ -267,7 +271,7 @@ class LevelController:
         near 0 when every request ran at the same tokens/s, large for a few requests of mixed lengths with a long time
         to first token."""
         n, tokens, seconds = self._requests, self._tokens, self._seconds
-        if n < 2 or tokens <= 0:
+        if n < 2 or tokens <= 0 or seconds <= 0:
             return 0.0
         ratio = tokens / seconds
         tt, ts, ss = self._moments
