@@ -298,6 +298,24 @@ def test_a_win_within_the_windows_noise_is_measured_again_before_it_is_taken():
     assert controller.best == 17
 
 
+def test_the_best_read_lower_within_the_windows_noise_is_not_taken_for_a_change():
+    """The best measured again 32% lower: with quiet windows the server changed (the step grows back to SHIFT_STEP,
+    downwards first: 16 -> 11); with windows that read +-15% it is noise (the next probe is a small step away). Once
+    settled, 7% lower ends the cycles that only look up (the level below comes next) with quiet windows, not with
+    noisy ones."""
+    def best_again(noise, up_only=0):
+        controller = LevelController(level=16, low=1, high=64)
+        controller.best, controller.best_rate, controller.step = 16, 1000.0, math.log(1.06)
+        controller._noise = controller.best_noise = noise
+        controller._up_only = up_only
+        return controller
+
+    assert best_again(0.01)._next_level(680.0) == 11
+    assert best_again(0.15)._next_level(680.0) in (15, 17)
+    assert best_again(0.01, up_only=2)._next_level(930.0) == 15
+    assert best_again(0.15, up_only=2)._next_level(930.0) == 17
+
+
 def test_on_a_noisy_server_the_level_holds_closer_to_the_best():
     """On a server seen through noisy windows (long-tailed lengths, a long time to first token: simulate_noisy),
     wins within the noise no longer move the level at once: over 25 minutes from nothing and from the knee, six
