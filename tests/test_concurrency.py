@@ -275,9 +275,9 @@ def test_a_win_within_the_windows_noise_is_measured_again_before_it_is_taken():
     assert controller.level == 17
     controller.level = controller._next_level(980.0)  # lost: forgotten
     next_cycle(controller)
-    if controller.level == 17:
-        controller._next_level(1050.0)
-        assert controller.best == 16  # a new first win, not a second
+    assert controller.level == 17
+    controller._next_level(1050.0)
+    assert controller.best == 16  # a new first win, not a second
     for noise, best_noise, rate in ((0.06, None, 1200.0), (0.005, None, 1050.0)):
         controller = settled(noise, best_noise)
         controller._next_level(rate)

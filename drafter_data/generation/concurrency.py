@@ -167,11 +167,8 @@ class LevelController:
             return self._probe("first", self.direction)
         below = self.level < self.best  # as good with fewer in flight is better: less queueing, the same tok/s
         margin = self._margin()
-        wins = rate > self.best_rate * (1 + NOISE) or (below and rate >= self.best_rate * (1 - NOISE / 2))
-        clearly = (rate > self.best_rate * (1 + NOISE + margin)
-                   or (below and rate >= self.best_rate * (1 - NOISE / 2 + margin)))
-        before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level and r > 0]
-        moved_up = not below and before and rate > max(before) * (1 + 2 * NOISE + margin)  # see _stride
+        wins, clearly = self._beats_best(rate, below, 0.0), self._beats_best(rate, below, margin)
+        moved_up = not below and self._beats_own_last(rate, margin)  # see _stride
         if wins and (clearly or moved_up or self._unconfirmed == self.level):
             # a better level: move there, stride out the same way (or back, see _stride)
             self.step, self.direction = self._stride(rate, below)
@@ -253,8 +250,7 @@ class LevelController:
                     self._climbs = 0
                     return max(MIN_STEP, math.log(above / self.level) / 2), 1
         self._climbs = climbs
-        before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level and r > 0]
-        if not below and before and rate > max(before) * (1 + 2 * NOISE) and self.level < self.high:
+        if not below and self._beats_own_last(rate) and self.level < self.high:
             # the knee moved up: the best level does not show it (below the knee, before and after), only a level
             # above it; the measurements further on are stale. (At the upper bound there is nowhere to stride to:
             # the search goes on as usual, not to the other side by the long step)
@@ -265,6 +261,18 @@ class LevelController:
             nearest = max(further) if below else min(further)
             step = min(step, abs(math.log(nearest / self.level)) / 2)
         return max(MIN_STEP, min(MAX_STEP, step)), direction
+
+    def _beats_best(self, rate: float, below: bool, margin: float) -> bool:
+        """Better than the best by NOISE plus `margin`; a lower level: no worse than it by more than NOISE/2, less
+        `margin` (the same tok/s with fewer requests in flight is better: less queueing)."""
+        if below:
+            return rate >= self.best_rate * (1 - NOISE / 2 + margin)
+        return rate > self.best_rate * (1 + NOISE + margin)
+
+    def _beats_own_last(self, rate: float, margin: float = 0.0) -> bool:
+        """This level measures more than 2 x NOISE plus `margin` better than it did in the last RECENT windows."""
+        before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level and r > 0]
+        return bool(before) and rate > max(before) * (1 + 2 * NOISE + margin)
 
     def _window_noise(self) -> float:
         """The relative standard error of the window's rate (a ratio estimator, tokens / seconds over its requests):
