@@ -14,6 +14,8 @@ Config keys (defaults in DEFAULTS; every addition is off by default, so the plai
                                present wins; absent -> thinking off (no reasoning)
   token_delay_s 0.0            delay per generated token per request (0: a stream is written in one go)
   ttft_s 0.0                   delay before the first token
+  no_usage False               streams end without the usage chunk even when asked for it (a proxy that drops
+                               stream_options.include_usage)
   slots 0                      0 = unlimited parallel requests; else requests beyond queue (like a real engine)
   knee 0, knee_penalty 1.5     throughput knee: with more than `knee` requests generating, the per-token delay is
                                token_delay_s * (generating / knee) ** knee_penalty (total tokens/s falls beyond it)
@@ -110,6 +112,7 @@ DEFAULTS = {
     "content_words": 6,
     "thinking_kwargs": ["thinking", "enable_thinking"],
     "token_delay_s": 0.0,  # per generated token, per request
+    "no_usage": False,  # streams end without the usage chunk, whatever stream_options asks
     "ttft_s": 0.0,
     "slots": 0,  # 0 = unlimited parallel requests; else requests beyond queue (like a real engine)
     "knee": 0,
@@ -820,7 +823,7 @@ class FakeServer:
             if reply.show == "sglext":
                 await sse.send({**reply.base, "object": "chat.completion.chunk", "choices": [], "usage": None,
                                 "sglext": reply.sglext()})
-            if (reply.body.get("stream_options") or {}).get("include_usage"):
+            if (reply.body.get("stream_options") or {}).get("include_usage") and not self.cfg["no_usage"]:
                 await sse.send({**reply.base, "object": "chat.completion.chunk", "choices": [],
                                 "usage": usage_of(answer)})
         await sse.send("[DONE]")

@@ -438,6 +438,21 @@ def test_a_window_of_zero_tokens_does_not_stop_the_search():
     assert controller.best_rate > 0
 
 
+def test_answers_of_no_tokens_do_not_send_the_level_down():
+    """Empty answers, or a server that sends no usage: every window reads 0 tokens. They count as requests served, so
+    the level follows requests/s (here in proportion to the level: the server's latency does not change) instead of
+    falling to the bottom, where a lower level wins every tie."""
+    for start in (None, 16):
+        clock = [0.0]
+        controller = make(start, clock)
+        for _ in range(300):
+            clock[0] += 1.0
+            for _ in range(controller.level):  # `level` requests of 1 s each finished this second
+                controller.completed(0, 1.0)
+            controller.tick(controller.level)
+        assert controller.level >= 64, (start, controller.level)
+
+
 def first_within(server: KneeServer, levels: list[int], share: float = 0.9) -> int:
     best = max(server.tokens_per_s(level) for level in range(1, 257))
     return next(i for i, level in enumerate(levels) if server.tokens_per_s(level) >= share * best)
@@ -478,9 +493,25 @@ def test_the_stage_runs_with_auto_and_logs_its_levels(run_stage, fake_server, tm
     proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
                                            "generation.concurrency_max=32", "generate.assessment=null"))
     assert f"concurrency: auto, {server.url} starts at 4 (not assessed" in proc.stderr
+    assert "without its token counts" not in proc.stderr
     check_exactly_once(prompts, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "run.json").read_text())["completions"] == 200
     assert len(read_rows(tmp_path / "out", "completions-")) == 200
+
+
+def test_a_server_that_sends_no_usage_is_named_and_auto_still_climbs(run_stage, fake_server, tmp_path):
+    """A stream without its usage chunk (a proxy that drops stream_options.include_usage): every answer counts 0
+    tokens. Preflight says so, and auto climbs on requests served per second instead of falling to the bottom."""
+    server = fake_server({"ttft_s": 0.3, "no_usage": True})
+    prompts = write_prompts(tmp_path / "in", 400)
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
+                                           "generation.concurrency_max=32", "generate.assessment=null"))
+    assert f"warning: {server.url} answered without its token counts (no usage in its stream" in proc.stderr
+    rows = read_rows(tmp_path / "out", "completions-")
+    assert sorted(r["prompt_id"] for r in rows) == sorted(p["prompt_id"] for p in prompts)
+    assert {r["completion_tokens"] for r in rows} == {0}  # as the server (did not) report them
+    levels = next(iter(json.loads((tmp_path / "out" / "run.json").read_text())["concurrency_levels"].values()))
+    assert max(level for _, level, _ in levels) >= 16, levels
 
 
 def test_only_the_assessed_server_starts_at_the_assessed_level(run_stage, fake_server, tmp_path):

@@ -17,9 +17,10 @@ def real_args(url, *extra):
 
 def test_generate_then_tokenize_against_llama_server(run_stage, llama_server, tmp_path):
     prompts = write_prompts(tmp_path / "in", 8)
-    run_stage("generate", *real_args(llama_server, f"generate.input={tmp_path / 'in'}",
-                                     f"generate.output={tmp_path / 'c'}", "generation.max_tokens=24",
-                                     "generation.concurrency=4"))
+    proc = run_stage("generate", *real_args(llama_server, f"generate.input={tmp_path / 'in'}",
+                                            f"generate.output={tmp_path / 'c'}", "generation.max_tokens=24",
+                                            "generation.concurrency=4"))
+    assert "without its token counts" not in proc.stderr  # llama-server streams its usage when asked
     rows = read_rows(tmp_path / "c", "completions-")
     assert sorted(r["prompt_id"] for r in rows) == sorted(p["prompt_id"] for p in prompts)
     for r in rows:

@@ -107,7 +107,11 @@ class LevelController:
         return cls(level=4, low=low, high=high, **kw)
 
     def completed(self, tokens: int, latency_s: float) -> None:
-        """A request of this server finished; it counts when it was sent at the current level."""
+        """A request of this server finished; it counts when it was sent at the current level. An answer of no tokens
+        (empty, or from a server that sends no usage) counts as one: windows of such answers then compare requests
+        served per second, where 0 tok/s at every level would send the search down to `low` (a lower level wins a
+        tie)."""
+        tokens = max(tokens, 1)
         if self.clock() - latency_s >= self._changed_at:
             self._tokens += tokens
             self._seconds += latency_s
