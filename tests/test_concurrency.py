@@ -514,6 +514,19 @@ def test_a_server_that_sends_no_usage_is_named_and_auto_still_climbs(run_stage, 
     assert max(level for _, level, _ in levels) >= 16, levels
 
 
+def test_no_usage_warning_when_generate_asks_unstreamed_with_its_token_ids(run_stage, fake_server, tmp_path):
+    """llama-server's token ids come only unstreamed, where usage comes with the answer: a stream without usage (the
+    probe's) says nothing of generate's requests, which then count their tokens."""
+    server = fake_server({"no_usage": True, "token_ids": "llama", "engine": "llama"})
+    prompts = write_prompts(tmp_path / "in", 6)
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out"))
+    assert "(requests are sent unstreamed)" in proc.stderr
+    assert "without its token counts" not in proc.stderr
+    rows = read_rows(tmp_path / "out", "completions-")
+    assert sorted(r["prompt_id"] for r in rows) == sorted(p["prompt_id"] for p in prompts)
+    assert all(r["completion_tokens"] > 0 and r["completion_token_ids"] for r in rows)
+
+
 def test_only_the_assessed_server_starts_at_the_assessed_level(run_stage, fake_server, tmp_path):
     assessed, other = fake_server({"token_delay_s": 0.002}), fake_server({"token_delay_s": 0.002})
     write_prompts(tmp_path / "in", 60)

@@ -51,12 +51,15 @@ async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, strea
         raise StageError(f"thinking is on, but {url} returned no reasoning (no reasoning_content/reasoning "
                          f"field, no <think> tags): the server may lack a reasoning parser (SGLang/vLLM: "
                          f"--reasoning-parser), or the model does not think; or run with generation.thinking=false")
-    if (done.reasoning or done.content) and not done.completion_tokens:
-        how = " in its stream (stream_options.include_usage ignored, e.g. by a proxy)" if stream else ""
-        print(f"warning: {url} answered without its token counts (no usage{how}): generate stores completion_tokens "
-              f"as 0 and its output tok/s figures read 0 (concurrency=auto then follows requests/s)", file=sys.stderr)
     engine = await detect_engine(client)
     via = await _token_id_method(client, url, spec, stream, engine, max_backoff_s)
+    # generate's requests are sent as this probe was unless its token ids need them unstreamed (with their usage)
+    sent_alike = not stream or via is None or METHODS[via].streams
+    if sent_alike and (done.reasoning or done.content) and not done.completion_tokens:
+        how = " in its stream (stream_options.include_usage ignored, e.g. by a proxy)" if stream else ""
+        print(f"warning: {url} answered without its token counts (no usage{how}): generate will store "
+              f"completion_tokens as 0 and report 0 output tok/s (concurrency=auto then follows requests/s)",
+              file=sys.stderr)
     return ServerFeatures(engine, via)
 
 
