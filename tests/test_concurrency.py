@@ -424,7 +424,8 @@ def test_a_best_at_the_lowest_levels_still_looks_up():
 
 
 def test_a_window_of_zero_tokens_does_not_stop_the_search():
-    """Servers that report no usage give windows of 0 tokens; a better level after one is taken, not a crash."""
+    """Windows of empty answers (counted as a token each) between windows of 10-token answers: the rate jumps tenfold
+    and back, the level stays within its bounds, and a better level after one is taken."""
     clock = [0.0]
     controller = LevelController(level=8, low=1, high=64, clock=lambda: clock[0])
     for tokens in (0, 10, 0, 0, 10, 10, 0, 10):

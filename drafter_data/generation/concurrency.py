@@ -110,7 +110,7 @@ class LevelController:
         """A request of this server finished; it counts when it was sent at the current level. An answer of no tokens
         (empty, or from a server that sends no usage) counts as one: windows of such answers then compare requests
         served per second, where 0 tok/s at every level would send the search down to `low` (a lower level wins a
-        tie)."""
+        tie). So a decided window (at least 8 requests) never reads 0 tok/s."""
         tokens = max(tokens, 1)
         if self.clock() - latency_s >= self._changed_at:
             self._tokens += tokens
@@ -229,7 +229,7 @@ class LevelController:
         reaches past halfway to a level further on that measured worse in the last RECENT windows, unless this level
         itself measured much worse in them: then the knee moved up, and strides out by SHIFT_STEP."""
         step, climbs, direction = min(MAX_STEP, self.step * 1.5), 0, -1 if below else 1
-        if not below and self.level > self.best and self.best_rate > 0:  # (a window of 0 tokens: no shape to read)
+        if not below and self.level > self.best:
             elasticity = math.log(rate / self.best_rate) / math.log(self.level / self.best)
             if elasticity < 0.5:
                 step, direction = self.step / 2, -1
@@ -241,8 +241,8 @@ class LevelController:
             else:
                 step = min(self.step, CLIMB_STEP)
         elif below:
-            lower = [(lv, r) for _, lv, r in reversed(self.history[-RECENT:-1]) if lv < self.level and r > 0]
-            if lower and rate > 0:
+            lower = [(lv, r) for _, lv, r in reversed(self.history[-RECENT:-1]) if lv < self.level]
+            if lower:
                 lower_level, lower_rate = max(lower, key=lambda m: m[0])  # the nearest below, its latest measurement
                 if (math.log(rate) - math.log(lower_rate)) / math.log(self.level / lower_level) > 0.8:
                     # tok/s still grows in proportion up to this level: lower ones can only be worse, and the knee
@@ -275,7 +275,7 @@ class LevelController:
 
     def _beats_own_last(self, rate: float, margin: float = 0.0) -> bool:
         """This level measures more than 2 x NOISE plus `margin` better than it did in the last RECENT windows."""
-        before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level and r > 0]
+        before = [r for _, lv, r in self.history[-RECENT:-1] if lv == self.level]
         return bool(before) and rate > max(before) * (1 + 2 * NOISE + margin)
 
     def _window_noise(self) -> float:
@@ -283,7 +283,7 @@ class LevelController:
         near 0 when every request ran at the same tokens/s, large for a few requests of mixed lengths with a long time
         to first token."""
         n, tokens, seconds = self._requests, self._tokens, self._seconds
-        if n < 2 or tokens <= 0 or seconds <= 0:
+        if n < 2 or seconds <= 0:
             return 0.0
         ratio = tokens / seconds
         tt, ts, ss = self._moments
