@@ -9,5 +9,5 @@ from pathlib import Path
 from dvc.utils.hydra import compose_and_dump
 
 root = Path(__file__).resolve().parents[1]
-compose_and_dump(root / "params.yaml", str(root / "conf"), None, "config", str(root / "hydra_plugins"), sys.argv[1:])
+compose_and_dump(root / "params.yaml", str(root / "conf"), None, "config", str(root), sys.argv[1:])
 print(f"wrote {root / 'params.yaml'}")

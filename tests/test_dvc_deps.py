@@ -8,8 +8,10 @@ import yaml
 
 from tests.conftest import REPO
 
-# Where MLflow runs are logged: a dep like any other module, but it reads the whole config to log it as params.
-LOGS_ALL_CONFIG = {"drafter_data/tracking.py"}
+# Modules that read the whole config without it deciding what the stage writes: where MLflow runs are logged (the
+# config as run params), and the schema (every key is checked before any work; a valid value of another stage's key
+# changes nothing this stage writes). Deps like any other module.
+LOGS_ALL_CONFIG = {"drafter_data/tracking.py", "drafter_data/schema.py"}
 
 
 def module_file(name: str) -> Path | None:
@@ -106,7 +108,7 @@ def config_reads(path: Path) -> set[tuple[str, str | None]]:
 
 def test_every_param_a_stage_reads_is_declared():
     """A stage declares in dvc.yaml the params it reads, so changing one of them makes DVC re-run it (the MLflow
-    module, which logs the whole config as run params, does not count)."""
+    module, which logs the whole config as run params, and the schema, which checks it, do not count)."""
     for name, stage in stages().items():
         declared = {str(p) for p in stage.get("params", [])}
         for path in closure(REPO / "stages" / f"{name}.py"):
@@ -118,3 +120,36 @@ def test_every_param_a_stage_reads_is_declared():
                 assert whole or keyed or f"{section}.{key}" in declared, \
                     f"stage {name} reads {section}.{key or '*'} ({path.relative_to(REPO)}), which dvc.yaml does " \
                     f"not declare in its params"
+
+
+def test_dvc_lock_matches_the_code_and_params_it_names():
+    """The committed dvc.lock records the code and params the data was made with: on a fresh clone `dvc status` must
+    not show a stage changed by its code or params (data deps and outputs, which a clone lacks, are not compared).
+    After changing code or conf/, run `dvc repro` and commit dvc.lock."""
+    import json
+    import subprocess
+    import sys
+
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                                 check=True).stdout.splitlines())
+
+    def in_git(path: str) -> bool:
+        return path in tracked or any(name.startswith(path.rstrip("/") + "/") for name in tracked)
+
+    done = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "DVC_NO_ANALYTICS": "1"})
+    assert done.returncode == 0, done.stderr
+    stale = []
+    for stage, entries in json.loads(done.stdout or "{}").items():
+        for entry in entries:
+            if isinstance(entry, str):
+                if entry != "always changed":
+                    stale.append(f"{stage}: {entry}")
+                continue
+            for path, state in entry.get("changed deps", {}).items():
+                if isinstance(state, dict):
+                    stale += [f"{stage}: param {key} {how}" for key, how in state.items()]
+                elif state != "deleted" and in_git(path):
+                    stale.append(f"{stage}: {path} {state}")
+    assert not stale, f"dvc.lock is older than the code and params it names ({'; '.join(stale[:8])}): run " \
+                      f"`dvc repro` and commit dvc.lock"
