@@ -36,7 +36,8 @@ COMPLETIONS = pa.schema(list(PROMPTS) + [
     ("length_stop_in", pa.string()),  # reasoning | content | null: where a finish_reason=length cut the answer
     ("request_key", pa.string()),  # hash of everything that determines the completion (resume identity)
     ("parent_key", pa.string()),  # the request key of the turn this one continues (null for turn 0)
-    ("model", pa.string()),
+    ("model", pa.string()),  # the model the answer named (null: it named none)
+    ("chat_template_kwargs", pa.string()),  # the request's chat-template kwargs (sorted JSON), switch included
     ("thinking", pa.bool_()),
     ("target", pa.string()),
     ("latency_s", pa.float64()),

@@ -24,14 +24,22 @@ from drafter_data.output_lock import OutputLock
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def check_replaceable(out_dir: Path, key: str, protected: dict[str, Path], markers: tuple[str, ...]) -> None:
+def check_apart(out_dir: Path, key: str, protected: dict[str, Path]) -> None:
+    """Refuses an output directory that is, holds or lies inside one of `protected` (an input: the stage would read
+    its own output, or delete its input), the working directory or the repo."""
     target = out_dir.resolve()
     always = {"the working directory": Path.cwd(), "the repo": REPO_ROOT}
     for what, path in {**protected, **always}.items():
         path = path.resolve()
         if target == path or target in path.parents:
             raise StageError(f"{key}={out_dir} {'is' if target == path else 'contains'} {what} ({path}); "
-                             f"it would be deleted: choose another output directory")
+                             f"choose an output directory of its own")
+        if path in target.parents and what not in always:
+            raise StageError(f"{key}={out_dir} lies inside {what} ({path}); choose an output directory of its own")
+
+
+def check_replaceable(out_dir: Path, key: str, protected: dict[str, Path], markers: tuple[str, ...]) -> None:
+    check_apart(out_dir, key, protected)
     if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
         raise StageError(f"{key}={out_dir} exists and is not a directory; remove it or choose another path")
     if out_dir.exists() and any(out_dir.iterdir()) and not any(any(out_dir.glob(m)) for m in markers):

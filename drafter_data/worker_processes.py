@@ -64,3 +64,20 @@ def _die_with_parent(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the stage died before the line above
         os._exit(1)
+
+
+def dies_with_this_process():
+    """A subprocess.Popen preexec_fn (None off Linux): the child (a server a stage or a test starts) is killed by the
+    kernel when this process ends, however it ends (SIGKILL included), instead of running on, orphaned. Call it from
+    the thread that lives as long as the child should (the main one): the signal comes when that thread ends."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: between fork and exec the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec

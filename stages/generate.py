@@ -25,6 +25,7 @@ from drafter_data.errors import StageError
 from drafter_data.generation.error_log import ErrorLog
 from drafter_data.generation.keys import KeySet
 from drafter_data.output_lock import OutputLock
+from drafter_data.outputs import check_apart
 from drafter_data.generation.concurrency import LevelController
 from drafter_data.generation.progress import Assessment
 from drafter_data.generation.runner import Runner, RunSettings
@@ -44,6 +45,7 @@ def main(cfg) -> int:
     check_api_key_env(cfg.server)  # before anything is logged: a key pasted as the variable's name must not leak
     spec = RequestSpec.from_config(cfg)
     out = Path(cfg.generate.output)
+    check_apart(out, "generate.output", {"generate.input": Path(cfg.generate.input)})
     with OutputLock(out / ".lock", "generate", out), stage_run("generate", cfg) as run, servers(cfg.server) as urls:
         return asyncio.run(generate(cfg, spec, urls, run))
 
@@ -56,13 +58,13 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     inputs = input_keys(prompts, spec, cfg.target.name, modes)
     store = CompletionStore(Path(g.output))
     wanted0 = KeySet(inputs.keys)
-    plan = store.plan(wanted0, require_ids=spec.token_ids == "on")  # reads only; moves nothing yet
+    plan = store.plan(wanted0, require_ids=spec.token_ids == "on", keep_reasoning=settings.keep_reasoning)
     assessed = Assessment.read(g.get("assessment"), {"model": spec.model, "kind": str(cfg.server.get("kind")),
                                                      "urls": [redact_url(u) for u in urls]})
     pool = await connect(cfg, spec, urls, settings, modes)
     if settings.auto:
         follow_each_server(pool, settings, assessed, str(cfg.server.get("kind")) == "local")
-    plan = apply(store, plan, wanted0, spec.token_ids == "on")
+    plan = apply(store, plan, wanted0, spec.token_ids == "on", settings.keep_reasoning)
     del wanted0
     errors = ErrorLog(Path(g.output) / "errors.jsonl", plan.valid)
     fresh = not_started(inputs, plan)
@@ -90,7 +92,13 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     if runner.signal is not None:
         run.stopped_by_signal = True
         return 128 + int(runner.signal or signal.SIGINT)
+    if runner.c.errors > 1 and not runner.c.done:
+        raise StageError(f"all {runner.c.errors} requests of this run failed for good and none was answered "
+                         f"(reasons in {errors.path})")
     return 0
+
+
+INPUT_KEY = "generate.input"
 
 
 def input_shards(directory: Path) -> list[Path]:
@@ -101,15 +109,16 @@ def input_shards(directory: Path) -> list[Path]:
 
 
 async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings, modes: ThinkingModes) -> ServerPool:
-    """A client per server, each checked by preflight before the first prompt is sent (with thinking on when any
-    prompt thinks: the server must return reasoning)."""
+    """A client per server, each checked by preflight before the first prompt is sent, in every thinking mode the
+    run uses (on: the server must return reasoning; off: none)."""
     key = api_key(cfg.server)
     timeout = float(cfg.server.request_timeout_s)
     states = [ServerState(u, make_client(u, key, settings.concurrency, timeout)) for u in urls]
-    probe = spec if modes.ratio is None else spec.with_thinking(modes.ratio > 0)
+    probe = spec if modes.ratio is None else spec.with_thinking(modes.ratio > 0)  # token ids asked with reasoning
     try:
         for s in states:
-            features = await preflight(s.client, s.url, probe, settings.stream, settings.max_backoff_s)
+            features = await preflight(s.client, s.url, probe, settings.stream, settings.max_backoff_s,
+                                       modes=modes.used())
             s.spec, s.engine = spec.with_token_ids(features.token_ids), features.engine
             print(f"{redact_url(s.url)}: {features.engine}, token ids: "
                   f"{features.token_ids or 'not asked for' if spec.token_ids != 'off' else 'off'}", file=sys.stderr)
@@ -132,7 +141,8 @@ def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assess
               f"[{settings.concurrency_min}, {settings.concurrency}]", file=sys.stderr)
 
 
-def apply(store: CompletionStore, plan: ResumePlan, wanted0: KeySet, require_ids: bool) -> ResumePlan:
+def apply(store: CompletionStore, plan: ResumePlan, wanted0: KeySet, require_ids: bool, keep_reasoning: bool
+          ) -> ResumePlan:
     """Moves what the plan says, saying so: unreadable shards, rows of other params, rows wanted again. A shard
     found unreadable only now (its key columns read, another column does not) is quarantined too, and the plan is
     made again without it. Returns the plan in force."""
@@ -141,7 +151,7 @@ def apply(store: CompletionStore, plan: ResumePlan, wanted0: KeySet, require_ids
     while store.lost:
         broken += store.lost
         store.lost = []
-        plan = store.plan(wanted0, require_ids=require_ids)
+        plan = store.plan(wanted0, require_ids=require_ids, keep_reasoning=keep_reasoning)
         store.apply(plan)
         broken += [(path.name, reason) for path, reason in plan.broken]
     for name, reason in broken:
@@ -158,9 +168,13 @@ def apply(store: CompletionStore, plan: ResumePlan, wanted0: KeySet, require_ids
 
 def report_resume(inputs: InputKeys, fresh, plan: ResumePlan) -> int:
     new, continuing = int(fresh.sum()), len(plan.continue_rows)
-    done = len(inputs.keys) - new - continuing
+    prompts = len(inputs.keys) - inputs.repeated
+    done = prompts - new - continuing
     more = f" ({continuing} conversations to continue)" if continuing else ""
-    print(f"{len(inputs.keys)} prompts: {done} already done, {new + continuing} to generate{more}", file=sys.stderr)
+    if inputs.repeated:
+        print(f"{inputs.repeated} input prompts are copies of others (the same prompt twice in {INPUT_KEY}, e.g. a "
+              f"shard copied): each is generated once", file=sys.stderr)
+    print(f"{prompts} prompts: {done} already done, {new + continuing} to generate{more}", file=sys.stderr)
     return new + continuing
 
 
@@ -174,12 +188,12 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
         print(f"warning: compacting {out_dir} failed ({exc}); the rows are safe in their small shards",
               file=sys.stderr)
     n_errors = errors.close()
-    rows_total = len(plan.valid) + runner.c.done
+    rows_total = len(plan.valid) + runner.saved  # what is on disk, not what was answered
     metrics = {**runner.progress.metrics(), "done_total": rows_total, "failed_total": n_errors}
     levels = {redact_url(sv.url): [[round(t - runner.progress.t0, 1), level, round(rate, 1)]
                                     for t, level, rate in sv.controller.history]
               for sv in runner.pool.states if sv.controller is not None}
-    summary = {**metrics, "elapsed_s": runner.progress.elapsed(), "prompts": len(inputs.keys),
+    summary = {**metrics, "saved": runner.saved, "elapsed_s": runner.progress.elapsed(), "prompts": len(inputs.keys) - inputs.repeated,
                **({"concurrency_levels": levels} if levels else {}),
                "stale_moved": plan.stale_rows, "restored": plan.restored_rows,
                "quarantined_shards": len(plan.broken), "stopped_reason": runner.fatal}
@@ -202,8 +216,9 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
     elif assessed and c.done:
         check = (f" (no answer finished with every slot busy, so no steady rate to check against the assessed "
                  f"{assessed:.1f})")
-    print(f"generate: {c.done} completions this run ({rows_total} rows in {out_dir}), {c.errors} failed for good, "
-          f"{c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s{check}", file=sys.stderr)
+    lost = f" ({c.done - runner.saved} more answered but not saved)" if c.done > runner.saved else ""
+    print(f"generate: {runner.saved} completions this run{lost} ({rows_total} rows in {out_dir}), {c.errors} failed "
+          f"for good, {c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s{check}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ Config keys (defaults in DEFAULTS; every addition is off by default, so the plai
   reasoning_words 6, content_words 6   length of the deterministic answer (`expected(messages, config)`)
   thinking_kwargs ["thinking", "enable_thinking"]  chat_template_kwargs keys read as the thinking switch, first
                                present wins; absent -> thinking off (no reasoning)
+  ignore_thinking False        the switch is ignored: every answer thinks (a template that does not read it)
+  answer_model None            answers name this model instead of the one asked for (a router falling back to
+                               another model), for a share `answer_model_rate` 1.0 of them (seeded rng)
+  max_model_len 0              >0: the context (prompt words + max_tokens): a request over it gets vLLM's 400, and
+                               GET /v1/models lists it as vLLM does, unless hide_max_model_len
   token_delay_s 0.0            delay per generated token per request (0: a stream is written in one go)
   ttft_s 0.0                   delay before the first token
   no_usage False               streams end without the usage chunk even when asked for it (a proxy that drops
@@ -111,6 +116,11 @@ DEFAULTS = {
     "reasoning_words": 6,
     "content_words": 6,
     "thinking_kwargs": ["thinking", "enable_thinking"],
+    "ignore_thinking": False,
+    "answer_model": None,
+    "answer_model_rate": 1.0,
+    "max_model_len": 0,
+    "hide_max_model_len": False,
     "token_delay_s": 0.0,  # per generated token, per request
     "no_usage": False,  # streams end without the usage chunk, whatever stream_options asks
     "ttft_s": 0.0,
@@ -173,8 +183,10 @@ def prompt_words(messages: list[dict]) -> int:
 
 def thinking_of(template_kwargs: dict | None, config: dict | None = None) -> bool:
     """The thinking switch of a request: the first of `thinking_kwargs` present in its chat_template_kwargs."""
-    kwargs = template_kwargs or {}
-    for key in {**DEFAULTS, **(config or {})}["thinking_kwargs"]:
+    kwargs, cfg = template_kwargs or {}, {**DEFAULTS, **(config or {})}
+    if cfg["ignore_thinking"]:
+        return True
+    for key in cfg["thinking_kwargs"]:
         if key in kwargs:
             return bool(kwargs[key])
     return False
@@ -495,7 +507,8 @@ def shown_ids(body: dict, cfg: dict) -> str | None:
 class Reply:
     """What one request is answered with: the answer, the fault that cuts it, and how ids are shown."""
 
-    def __init__(self, body: dict, answer: Answer, fault: str | None, cfg: dict, vocab: Vocab | None):
+    def __init__(self, body: dict, answer: Answer, fault: str | None, cfg: dict, vocab: Vocab | None,
+                 model: str | None = None):
         self.body, self.answer, self.fault, self.vocab = body, answer, fault, vocab
         self.show = shown_ids(body, cfg)
         self.drop_end_ids = bool(cfg["drop_end_ids"])
@@ -504,7 +517,7 @@ class Reply:
             self.answer = answer.cut(few, "abort")
         self.stop = {"truncate": len(answer.steps) // 2, "stream_error": few}.get(fault)
         self.base = {"id": f"chatcmpl-{request_key(body['messages'])}", "created": int(time.time()),
-                     "model": body.get("model")}
+                     "model": model or body.get("model")}
 
     def extras(self, ids) -> dict:
         """Per-choice id fields of a chunk (its ids) or of a whole response (all ids)."""
@@ -714,7 +727,9 @@ class FakeServer:
             return denied
         if self.cfg["models_404"]:
             return web.json_response({"detail": "Not Found"}, status=404)
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "fake"}
+        shown = self.cfg["max_model_len"] and not self.cfg["hide_max_model_len"]
+        length = {"max_model_len": self.cfg["max_model_len"]} if shown else {}
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "fake", **length}
                                                               for m in self.cfg["models"]]})
 
     async def chat(self, request):
@@ -742,8 +757,16 @@ class FakeServer:
         limit, words = self.cfg["context_limit_words"], prompt_words(messages)
         if limit and words > limit:
             return await self._context_error(request, body, words)
+        context, asked = self.cfg["max_model_len"], int(body.get("max_tokens") or 0)
+        if context and words + asked > context:
+            return web.json_response(error_body(
+                f"This model's maximum context length is {context} tokens. However, you requested {words + asked} "
+                f"tokens ({words} in the messages, {asked} in the completion). Please reduce the length of the "
+                f"messages or completion.", "BadRequestError", 400), status=400)
         vocab = self.vocab()
-        reply = Reply(body, build_answer(body, self.cfg, vocab), fault, self.cfg, vocab)
+        fallback = self.cfg["answer_model"] if self.cfg["answer_model"] and \
+            self.rng.random() < self.cfg["answer_model_rate"] else None
+        reply = Reply(body, build_answer(body, self.cfg, vocab), fault, self.cfg, vocab, fallback)
         if self.slots:
             async with self.slots:
                 return await self._generate(request, reply, flight)

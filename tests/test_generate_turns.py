@@ -161,3 +161,30 @@ def test_a_resume_never_continues_after_a_tool_call_ended_with_stop(run_stage, f
         pq.write_table(table.set_column(i, "finish_reason", pa.array(["stop"] * table.num_rows, pa.string())), path)
     proc = run_stage("generate", *args)
     assert len(prompt_requests(server)) == sent and "2 already done, 0 to generate" in proc.stderr
+
+
+def test_a_resume_with_another_history_setting_regenerates_the_turns_it_changes(run_stage, fake_server, tmp_path):
+    """history_reasoning changes what turn k > 0 is sent: rows made with drop are not reused under keep (each later
+    turn's key is derived again from its parent under the current config), they go to .stale/, and come back when
+    drop returns. Today's main said '18 already done' and kept turns sent without their history's reasoning."""
+    server = fake_server()
+    convs = write_conversations(tmp_path / "in", 6, turns=3)
+    args = gen_args(server.url, tmp_path / "in", tmp_path / "out")
+    run_stage("generate", *args)  # drop, the default
+    before = len(prompt_requests(server))
+    proc = run_stage("generate", *args, "generation.history_reasoning=keep")
+    resent = [b["messages"] for b in prompt_requests(server)[before:]]
+    assert "6 conversations to continue" in proc.stderr and "moved 12 completions" in proc.stderr
+    kept = [m for conv in convs for m in expected_turns(conv, keep_reasoning=True)[1:]]
+    assert sorted(map(json.dumps, resent)) == sorted(map(json.dumps, kept))  # turns 1 and 2, each once, with keep
+    rows = read_rows(tmp_path / "out", "completions-")
+    assert Counter((r["prompt_id"], r["turn"]) for r in rows) == Counter((c["prompt_id"], k) for c in convs
+                                                                         for k in range(3))
+    for r in rows:  # every stored later turn was sent with its history's reasoning
+        extras = json.loads(r["message_extras"] or "[]")
+        assert sum(bool(e and e.get("reasoning_content")) for e in extras) == r["turn"]
+    stale = [r for p in (tmp_path / "out.stale").rglob("completions-*.parquet") for r in pq.read_table(p).to_pylist()]
+    assert sum(r["turn"] > 0 for r in stale) == 12  # kept aside (a moved shard keeps its valid rows too)
+    sent = len(prompt_requests(server))
+    back = run_stage("generate", *args)  # drop again: its rows come back from .stale, nothing is sent
+    assert len(prompt_requests(server)) == sent and "restored 12 completions" in back.stderr

@@ -23,6 +23,7 @@ from drafter_data.server.client import Completion, complete
 from drafter_data.server.faults import Fault, RetryBudget, backoff_s, classify
 from drafter_data.server.pool import ServerPool, ServerState, sleep_unless
 from drafter_data.server.request import RequestSpec
+from drafter_data.tokens.chat_template import kwargs_text
 
 FLUSH_INTERVAL_S = 2.0  # a kill loses at most this much of finished work, plus what is in flight
 COMPACT_INTERVAL_S = 600.0  # merge the small shards of a days-long run as it goes
@@ -41,6 +42,7 @@ class RunSettings:
     max_connection_failures: int = 6
     max_backoff_s: float = 60.0
     max_run_wide_failures: int = 5
+    max_failed_in_a_row: int = 10
     keep_reasoning: bool = False  # generation.history_reasoning == keep
     auto: bool = False  # generation.concurrency=auto: each server's level follows its throughput
     concurrency_min: int = 1
@@ -62,6 +64,7 @@ class RunSettings:
                    target=str(cfg.target.name), max_connection_failures=int(g.get("max_connection_failures", 6)),
                    max_backoff_s=float(g.get("max_backoff_s", 60)),
                    max_run_wide_failures=int(g.get("max_run_wide_failures", 5)),
+                   max_failed_in_a_row=int(g.get("max_failed_in_a_row", 10)),
                    keep_reasoning=gen.get("history_reasoning", "drop") == "keep", auto=auto,
                    concurrency_min=low)
 
@@ -75,6 +78,7 @@ class Runner:
         self.spec, self.settings, self.pool, self.store, self.errors, self.run = \
             spec, settings, pool, store, errors, run
         self.pending: list[dict] = []
+        self.saved = 0  # rows on disk (answers in `pending` are not, until a write succeeds)
         self.c = Counters()
         self.progress = Progress(self.c, assessed or Assessment(), servers=len(pool.states))
         self.stopping = asyncio.Event()  # no new requests (first signal, or a fatal fault)
@@ -82,6 +86,7 @@ class Runner:
         self.fatal: str | None = None
         self.signal: int | None = None
         self.run_wide_streak = 0
+        self.failed_streak = 0  # requests that failed for good since the last answer
         self._write_lock = asyncio.Lock()
         self._flush_due = asyncio.Event()
         self._background: set[asyncio.Task] = set()
@@ -137,7 +142,7 @@ class Runner:
                 fault = classify(exc).at(server.url)
             else:
                 self.pool.succeeded(server)
-                self.run_wide_streak = 0
+                self.run_wide_streak = self.failed_streak = 0
                 if server.controller is not None:
                     server.controller.completed(done.completion_tokens, done.latency_s)
                 return done, spec.token_ids_via if done.completion_token_ids is not None else None
@@ -151,7 +156,12 @@ class Runner:
             wait = budget.next_wait(fault)
             if wait is None:
                 conv.failed = True
-                self.error(conv, budget.gave_up(fault), budget.attempts + budget.connection_failures)
+                reason = budget.gave_up(fault)
+                self.error(conv, reason, budget.attempts + budget.connection_failures)
+                self.failed_streak += 1
+                if self.failed_streak >= self.settings.max_failed_in_a_row:
+                    self.fail(f"{self.failed_streak} requests in a row failed for good and none was answered in "
+                              f"between, so nothing gets through (generate.max_failed_in_a_row); the last: {reason}")
                 return None, None
             await self.pause(wait)
         return None, None
@@ -187,7 +197,8 @@ class Runner:
             "completion_token_ids": done.completion_token_ids, "token_ids_via": via,
             "length_stop_in": done.length_stop_in,
             "request_key": key_hex, "parent_key": conv.parent_key.hex() if conv.parent_key else None,
-            "model": self.spec.model, "thinking": conv.thinking, "target": self.settings.target,
+            "model": done.model, "chat_template_kwargs": kwargs_text(self.spec.chat_template_kwargs(conv.thinking)),
+            "thinking": conv.thinking, "target": self.settings.target,
             "latency_s": round(done.latency_s, 4),
         })
         self.errors.resolved(key_hex)
@@ -253,9 +264,13 @@ class Runner:
             await asyncio.shield(write)
         except asyncio.CancelledError:
             await write
-            del self.pending[:len(rows)]
+            self._written(rows)
             raise
+        self._written(rows)
+
+    def _written(self, rows: list[dict]) -> None:
         del self.pending[:len(rows)]
+        self.saved += len(rows)
 
     async def compact(self) -> None:
         try:

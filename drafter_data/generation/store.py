@@ -3,7 +3,8 @@
 Shards are written whole or not at all (write, fsync, rename). A resume first *plans* (reads only the key columns,
 changes nothing) and, once preflight has passed, *applies* the plan:
 - rows the current config would not produce (other generation params, prompts no longer in the input, a turn built
-  on another answer) are moved to `<output>.stale/<run>/`: kept, because they cost GPU time, never reused silently;
+  on another answer or sent with another history: each later turn's key is derived again, under the current config,
+  from its parent's) are moved to `<output>.stale/<run>/`: kept, because they cost GPU time, never reused silently;
 - rows in `.stale/` that the current config wants again are moved back (reverting a config change costs nothing);
 - a request that appears twice (a kill during compaction, or two writers) is kept once;
 - a shard that cannot be read is moved to `<output>.quarantine/<run>/` and its prompts are generated again.
@@ -23,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from drafter_data.contract import COMPLETIONS, shard_paths, write_table_atomic
-from drafter_data.generation.keys import KEY_DTYPE, KeySet, first_of_each, hex_keys
+from drafter_data.generation.keys import KEY_DTYPE, KeySet, first_of_each, hex_keys, turn_key
 
 SHARD_PREFIX = "completions-"
 PLAN_COLUMNS = ["request_key", "parent_key", "turn", "turns", "finish_reason", "tool_calls", "token_ids_via"]
@@ -46,13 +47,14 @@ class KeyColumns:
     turns_done: np.ndarray  # the row's turn
     may_go_on: np.ndarray  # the conversation has turns left and this answer stopped by itself
     has_ids: np.ndarray  # the server's token ids were stored with the row
+    next_keys: np.ndarray  # the key the next turn has under the current config (rows that may go on; else zeros)
 
     @classmethod
     def join(cls, parts: list[KeyColumns]) -> KeyColumns:
         """One array per column; each shard's own arrays are let go as soon as they are joined (peak: one copy plus
         one column)."""
         dtypes = {"keys": KEY_DTYPE, "later": np.intp, "parents": KEY_DTYPE, "turns_done": np.int32,
-                  "may_go_on": bool, "has_ids": bool}
+                  "may_go_on": bool, "has_ids": bool, "next_keys": KEY_DTYPE}
         offset = 0
         for p in parts:  # row numbers of the joined arrays
             p.later = p.later + offset
@@ -109,17 +111,18 @@ class CompletionStore:
     def shards(self) -> list[Path]:
         return shard_paths(self.dir, SHARD_PREFIX)
 
-    def plan(self, wanted0: KeySet, require_ids: bool = False) -> ResumePlan:
+    def plan(self, wanted0: KeySet, require_ids: bool = False, keep_reasoning: bool = False) -> ResumePlan:
         """What is done for the current config (wanted0: the turn-0 keys of the input prompts; require_ids: with
-        generation.token_ids=on, rows without the server's ids do not count), and what a resume must move; reads
-        key columns only and changes nothing but leftover temp files."""
+        generation.token_ids=on, rows without the server's ids do not count; keep_reasoning: how earlier answers are
+        sent back, generation.history_reasoning), and what a resume must move; reads key columns (and, of the rows
+        a conversation may go on from, their answers) and changes nothing but leftover temp files."""
         for leftover in self.dir.glob(".*.tmp-*"):
             leftover.unlink()
         shards, parts, broken = [], [], []
         stale_paths = sorted(self.stale_root.rglob(f"{SHARD_PREFIX}*.parquet")) if self.stale_root.exists() else []
         for path, from_stale in [(p, False) for p in self.shards()] + [(p, True) for p in stale_paths]:
             try:
-                parts.append(_read_keys(path))
+                parts.append(_read_keys(path, keep_reasoning))
             except Exception as exc:  # noqa: BLE001 - any unreadable shard: quarantined, never a crash
                 if not from_stale:
                     broken.append((path, f"{type(exc).__name__}: {exc}"))
@@ -219,7 +222,7 @@ def _conform(table: pa.Table) -> pa.Table:
     return pa.table(columns, schema=COMPLETIONS)
 
 
-def _read_keys(path: Path) -> KeyColumns:
+def _read_keys(path: Path, keep_reasoning: bool) -> KeyColumns:
     names = set(pq.read_schema(path).names)
     table = pq.read_table(path, columns=[c for c in PLAN_COLUMNS if c in names])
     n = table.num_rows
@@ -241,12 +244,28 @@ def _read_keys(path: Path) -> KeyColumns:
     may_go_on = stopped & (turn < np.maximum(ints("turns", 1), 1) - 1)
     has_ids = table.column("token_ids_via").is_valid().to_numpy(zero_copy_only=False) if "token_ids_via" in names \
         else np.zeros(n, dtype=bool)
-    return KeyColumns(hex_keys(table.column("request_key")), later, parents, turn, may_go_on, has_ids)
+    keys = hex_keys(table.column("request_key"))
+    return KeyColumns(keys, later, parents, turn, may_go_on, has_ids,
+                      _next_keys(path, keys, turn, may_go_on, keep_reasoning))
+
+
+def _next_keys(path: Path, keys: np.ndarray, turn: np.ndarray, may_go_on: np.ndarray, keep_reasoning: bool
+               ) -> np.ndarray:
+    """The next turn's key after each row that may go on, as the current config would send it (as Runner.converse
+    derives it); single-turn data reads no text."""
+    out = np.zeros(len(keys), KEY_DTYPE)
+    rows = np.flatnonzero(may_go_on)
+    if len(rows):
+        answers = pq.read_table(path, columns=["reasoning", "content", "tool_calls"]).take(rows).to_pylist()
+        out[rows] = [turn_key(keys[i: i + 1].tobytes(), int(turn[i]) + 1, answer, keep_reasoning)
+                     for i, answer in zip(rows, answers)]
+    return out
 
 
 def _plan(shards: list[Shard], rows: KeyColumns, wanted0: KeySet, broken: list, require_ids: bool) -> ResumePlan:
     """Validity by turn: a turn-0 row is valid when its key is wanted; a turn-k row when its parent is a valid
-    turn-(k-1) row. The first copy of a key wins (main shards before .stale)."""
+    turn-(k-1) row and its key is the one the current config derives from that parent (rows.next_keys: made with
+    another history_reasoning, it is not). The first copy of a key wins (main shards before .stale)."""
     keys, turn, later, parents = rows.keys, rows.turns_done, rows.later, rows.parents
     usable = rows.has_ids if require_ids else np.ones(len(keys), dtype=bool)
     winners = np.flatnonzero(usable)  # the first usable copy of each key wins; in key order
@@ -258,7 +277,9 @@ def _plan(shards: list[Shard], rows: KeyColumns, wanted0: KeySet, broken: list, 
     for t in range(1, int(turn.max()) + 1 if len(turn) else 1):
         level = turn[later] == t
         rows_t = later[level]
-        valid[rows_t] = first[rows_t] & KeySet(keys[valid & (turn == t - 1)]).contains(parents[level])
+        before = valid & (turn == t - 1)
+        valid[rows_t] = first[rows_t] & KeySet(keys[before]).contains(parents[level]) & \
+            KeySet(rows.next_keys[before & rows.may_go_on]).contains(keys[rows_t])
     has_child = KeySet(parents[valid[later]]).contains(keys)
     goes_on = valid & ~has_child & rows.may_go_on
     duplicate = usable & ~first  # a second copy of a row kept elsewhere; anything else invalid is kept aside

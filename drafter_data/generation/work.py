@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from drafter_data.contract import PROMPTS, iter_batches
 from drafter_data.generation.conversation import Conversation, prompt_messages
-from drafter_data.generation.keys import KEY_DTYPE, request_keys, thinking_share, turn_key
+from drafter_data.generation.keys import KEY_DTYPE, first_of_each, request_keys, thinking_share, turn_key
 from drafter_data.generation.store import ResumePlan
 from drafter_data.server.request import RequestSpec
 
@@ -33,6 +33,12 @@ class ThinkingModes:
     def of(self, prompt_id: str) -> bool:
         return self.default if self.ratio is None else thinking_share(prompt_id, self.seed) < self.ratio
 
+    def used(self) -> tuple[bool, ...]:
+        """The modes prompts are generated in (thinking first)."""
+        if self.ratio is None:
+            return (self.default,)
+        return tuple(mode for mode, share in ((True, self.ratio), (False, 1 - self.ratio)) if share > 0)
+
     def label(self) -> str:
         if self.ratio is None:
             return "on" if self.default else "off"
@@ -43,6 +49,17 @@ class ThinkingModes:
 class InputKeys:
     keys: np.ndarray  # S16, turn-0 request key per input prompt, in input order
     thinking: np.ndarray  # bool, the mode of each prompt
+    first: np.ndarray | None = None  # bool: the first copy of its key (a prompt found twice is generated once)
+
+    def __post_init__(self):
+        if self.first is None:
+            self.first = np.zeros(len(self.keys), dtype=bool)
+            self.first[first_of_each(self.keys)] = True
+
+    @property
+    def repeated(self) -> int:
+        """Input prompts that are copies of an earlier one (same prompt, same settings)."""
+        return int(len(self.keys) - self.first.sum())
 
 
 def input_keys(paths: list[Path], spec: RequestSpec, target: str, modes: ThinkingModes) -> InputKeys:
@@ -69,8 +86,8 @@ def input_keys(paths: list[Path], spec: RequestSpec, target: str, modes: Thinkin
 
 
 def not_started(inputs: InputKeys, plan: ResumePlan) -> np.ndarray:
-    """Per input prompt: no turn of it is done yet."""
-    return ~plan.done0.contains(inputs.keys)
+    """Per input prompt: no turn of it is done yet (and it is the first copy of its key)."""
+    return ~plan.done0.contains(inputs.keys) & inputs.first
 
 
 def iter_todo(paths: list[Path], inputs: InputKeys, fresh: np.ndarray, plan: ResumePlan, keep_reasoning: bool):
@@ -79,7 +96,7 @@ def iter_todo(paths: list[Path], inputs: InputKeys, fresh: np.ndarray, plan: Res
     continuing = {row["prompt_id"]: row for row in plan.continue_rows}
     todo_mask = fresh.copy()
     if continuing:
-        todo_mask |= np.isin(_prompt_ids(paths), list(continuing))
+        todo_mask |= np.isin(_prompt_ids(paths), list(continuing)) & inputs.first
     offset = 0
     for batch in iter_batches(paths, columns=_columns(paths[0]) if paths else None, batch_size=4096):
         rows = np.flatnonzero(todo_mask[offset: offset + batch.num_rows])

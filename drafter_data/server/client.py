@@ -3,7 +3,8 @@ conventions (`reasoning_content`, `reasoning`, inline `<think>` tags), tool call
 token ids when the spec asks for them (checked against the server's usage).
 
 Only a real ending is a completion: `stop`, `length` or `tool_calls`. Anything else (an engine's `abort`, `error`,
-no finish_reason at all) raises, so the caller retries instead of storing a cut answer.
+no finish_reason at all) raises, so the caller retries instead of storing a cut answer; so does an answer that names
+another model than the one asked for, or that thinks although its request switched thinking off.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httpx2
 import openai
 from openai import AsyncOpenAI
 
-from drafter_data.server.faults import KEY_ENV_EXTENSION, NotACompletion, TruncatedStream
+from drafter_data.server.faults import KEY_ENV_EXTENSION, NotACompletion, ThinkingIgnored, TruncatedStream, WrongModel
 from drafter_data.server.request import RequestSpec
 from drafter_data.server.token_ids import IdCollector, id_method
 
@@ -60,6 +61,7 @@ class Completion:
     tool_calls: list[dict] | None = None  # OpenAI form: {"id", "type": "function", "function": {name, arguments}}
     prompt_token_ids: list[int] | None = None  # as the server tokenized the prompt, when asked for and whole
     completion_token_ids: list[int] | None = None  # the sampled ids, when asked for and whole
+    model: str | None = None  # the model the answer names (None: it names none)
 
 
 def split_inline_reasoning(content: str) -> tuple[str | None, str]:
@@ -116,6 +118,7 @@ class Answer:
     tool_calls: ToolCalls = field(default_factory=ToolCalls)
     finish_reason: str | None = None
     usage: object = None
+    model: str | None = None
     ttft: float | None = None
     chunks: int = 0
     times: list[float] | None = None
@@ -132,6 +135,8 @@ class Answer:
         content = "".join(self.content)
         if reasoning is None and thinking:
             reasoning, content = split_inline_reasoning(content)
+        if not thinking and (reasoning or THINK_CLOSE in content):
+            raise ThinkingIgnored("the answer thinks although thinking was switched off for it")
         length_in = None
         if self.finish_reason == "length":
             length_in = "content" if content else ("reasoning" if reasoning else "content")
@@ -139,7 +144,8 @@ class Answer:
                           prompt_tokens=int(getattr(self.usage, "prompt_tokens", 0) or 0),
                           completion_tokens=int(getattr(self.usage, "completion_tokens", 0) or 0),
                           length_stop_in=length_in, ttft_s=self.ttft, latency_s=time.monotonic() - t0,
-                          chunks=self.chunks, token_times=self.times, tool_calls=self.tool_calls.as_list())
+                          chunks=self.chunks, token_times=self.times, tool_calls=self.tool_calls.as_list(),
+                          model=self.model)
 
 
 async def complete(client: AsyncOpenAI, spec: RequestSpec, messages: list[dict], tools: list | None = None,
@@ -158,6 +164,9 @@ async def complete(client: AsyncOpenAI, spec: RequestSpec, messages: list[dict],
     else:
         answer = await _unstreamed(client, body, ids)
     done = answer.completion(thinking, t0, streamed)
+    if done.model and done.model != spec.model:
+        raise WrongModel(f"the answer came from the model {done.model!r}, not {spec.model!r} (server.model): a "
+                         f"router that falls back to another model? Only the target's own answers are stored")
     if ids is not None:
         await ids.fetch_prompt(client, body)
         done.prompt_token_ids, done.completion_token_ids = ids.checked(done.prompt_tokens, done.completion_tokens)
@@ -172,7 +181,7 @@ async def _unstreamed(client: AsyncOpenAI, body: dict, ids: IdCollector | None) 
     msg = choice.message
     reasoning = extra_field(msg, "reasoning_content") or extra_field(msg, "reasoning")
     answer = Answer(reasoning=[reasoning] if reasoning else [], content=[msg.content or ""],
-                    finish_reason=choice.finish_reason, usage=resp.usage, chunks=1)
+                    finish_reason=choice.finish_reason, usage=resp.usage, model=resp.model or None, chunks=1)
     answer.tool_calls.add(msg.tool_calls)
     if ids is not None:
         ids.add(resp)
@@ -187,6 +196,8 @@ async def _streamed(client: AsyncOpenAI, body: dict, ids: IdCollector | None, t0
         answer.chunks += 1
         if chunk.usage is not None:
             answer.usage = chunk.usage
+        if chunk.model and chunk.model != answer.model:  # every chunk names it: a change mid-answer is kept
+            answer.model = chunk.model if answer.model is None else f"{answer.model}+{chunk.model}"
         if ids is not None:
             ids.add(chunk)
         for choice in chunk.choices[:1]:

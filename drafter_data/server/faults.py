@@ -35,6 +35,16 @@ class NotACompletion(Exception):
     the engine gave up on it, so it is not the model's answer."""
 
 
+class WrongModel(Exception):
+    """The answer names another model than the one asked for (a router that fell back to another model): not a
+    completion of the target. Run-wide: a few in a row stop the run."""
+
+
+class ThinkingIgnored(Exception):
+    """The answer thinks although its request switched thinking off: the server ignores the switch (its template
+    does not read target.thinking_kwarg), so it is not an answer in this row's mode."""
+
+
 class IncompleteTokenIds(Exception):
     """Token ids were asked for, but the server returned none, or fewer/more than its usage counts."""
 
@@ -75,7 +85,9 @@ def classify(exc: BaseException) -> Fault:
     if isinstance(exc, openai.APIError):  # an error event inside a 200 stream: `data: {"error": {...}}`
         status = _status_code(exc.body)
         return by_status(status, f"error in the stream (code {exc.code})", exc)
-    if isinstance(exc, (TruncatedStream, NotACompletion, IncompleteTokenIds, ValueError)):
+    if isinstance(exc, WrongModel):
+        return Fault("run_wide", f"{exc}", answered=True)
+    if isinstance(exc, (TruncatedStream, NotACompletion, IncompleteTokenIds, ThinkingIgnored, ValueError)):
         return Fault("retry", f"{type(exc).__name__}: {exc}", answered=True)
     return Fault("retry", redact_url(f"{type(exc).__name__}: {exc}"))
 

@@ -22,10 +22,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from drafter_data.errors import StageError
+from drafter_data.worker_processes import dies_with_this_process
 from drafter_data.redaction import redact_url
 from drafter_data.server.endpoints import api_root
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+BUILD_TAG = "noamx"  # as scripts/build_llama_server.sh names its cache (a change of build flags builds again)
 
 
 def cache_dir() -> Path:
@@ -35,7 +37,7 @@ def cache_dir() -> Path:
 
 
 def default_binary() -> Path:
-    return cache_dir() / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}" / "llama-server"
+    return cache_dir() / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}-{BUILD_TAG}" / "llama-server"
 
 
 def default_model_path() -> Path:
@@ -144,7 +146,7 @@ def start(local, model_alias: str, port: int, log_path: Path | None = None) -> t
     cmd = server_command(local, model_alias, port)
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=dies_with_this_process())
     base_url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + float(local.get("startup_timeout_s", 60))
     try:

@@ -1,6 +1,7 @@
 """Seconds before the first prompt: is this the server we need, and what does it offer? Each failure is one line
-saying what was tried and what to do (server down, wrong port, not an OpenAI API, wrong model name, rejected key,
-no chat completions, no reasoning, no token ids with generation.token_ids=on)."""
+saying what was tried and what to do (server down, wrong port, not an OpenAI API, wrong model name, max_tokens over
+the context, rejected key, no chat completions, answers from another model, no reasoning or a thinking switch it
+ignores, no token ids with generation.token_ids=on)."""
 from __future__ import annotations
 
 import sys
@@ -13,8 +14,8 @@ from drafter_data.errors import StageError
 from drafter_data.server.client import complete
 from drafter_data.redaction import redact_url
 from drafter_data.server.engine import detect_engine
-from drafter_data.server.faults import (IncompleteTokenIds, TruncatedStream, call_with_retries, classify,
-                                       error_message)
+from drafter_data.server.faults import (IncompleteTokenIds, ThinkingIgnored, TruncatedStream, WrongModel,
+                                       call_with_retries, classify, error_message)
 from drafter_data.server.request import RequestSpec
 from drafter_data.server.token_ids import CANDIDATES, METHODS
 
@@ -33,24 +34,24 @@ class ServerFeatures:
 
 
 async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, stream: bool,
-                    max_backoff_s: float = 5.0) -> ServerFeatures:
-    """The server answers, serves the model, does chat completions, (thinking on) returns reasoning, and (with
-    spec.token_ids on) returns whole token ids. Raises StageError otherwise."""
+                    max_backoff_s: float = 5.0, modes: tuple[bool, ...] | None = None) -> ServerFeatures:
+    """The server answers, serves the model (with room for max_tokens where it says its context), does chat
+    completions, honours the thinking switch in each mode the run uses (`modes`: spec.thinking's unless given: on,
+    it returns reasoning; off, none), answers as the model asked for, and (with spec.token_ids on) returns whole
+    token ids. Raises StageError otherwise."""
     url = redact_url(base_url)
     served = await _served_models(client, url)
     if served and spec.model not in served:
         raise StageError(f"model {spec.model!r} is not served at {url}; it serves: {', '.join(served)} "
                          f"(set server.model)")
-    probe = spec.with_token_ids(None).with_max_tokens(24)
-    try:
-        done = await call_with_retries(lambda: complete(client, probe, PROBE_MESSAGES, stream=stream),
-                                       PROBE_ATTEMPTS, max_backoff_s=max_backoff_s)
-    except Exception as exc:  # noqa: BLE001 - explained in one line
-        raise _probe_error(url, exc) from None
-    if spec.thinking and not done.reasoning:
-        raise StageError(f"thinking is on, but {url} returned no reasoning (no reasoning_content/reasoning "
-                         f"field, no <think> tags): the server may lack a reasoning parser (SGLang/vLLM: "
-                         f"--reasoning-parser), or the model does not think; or run with generation.thinking=false")
+    context = served.get(spec.model)
+    if context and spec.max_tokens >= context:
+        raise StageError(f"generation.max_tokens={spec.max_tokens} does not fit: {url} serves {spec.model} with a "
+                         f"context of {context} tokens, prompt included; set generation.max_tokens below it (or "
+                         f"serve a longer context, e.g. vLLM --max-model-len)")
+    done = None
+    for thinking in (spec.thinking,) if modes is None else modes:
+        done = await _probe_mode(client, url, spec.with_thinking(thinking), stream, max_backoff_s)
     engine = await detect_engine(client)
     via = await _token_id_method(client, url, spec, stream, engine, max_backoff_s)
     # generate's requests are sent as this probe was unless its token ids need them unstreamed (with their usage)
@@ -61,6 +62,32 @@ async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, strea
               f"completion_tokens as 0 and report 0 output tok/s (concurrency=auto then follows requests/s)",
               file=sys.stderr)
     return ServerFeatures(engine, via)
+
+
+async def _probe_mode(client: AsyncOpenAI, url: str, spec: RequestSpec, stream: bool, max_backoff_s: float):
+    """One short answer in spec's thinking mode; StageError when the server cannot give one, names another model, or
+    does not honour the thinking switch."""
+    probe = spec.with_token_ids(None).with_max_tokens(24)
+    switch = f"{spec.thinking_kwarg}={str(spec.thinking).lower()}"
+    try:
+        done = await call_with_retries(lambda: complete(client, probe, PROBE_MESSAGES, stream=stream),
+                                       PROBE_ATTEMPTS, max_backoff_s=max_backoff_s,
+                                       give_up_on=(WrongModel, ThinkingIgnored))
+    except WrongModel as exc:
+        raise StageError(f"POST {url}/chat/completions: {exc}") from None
+    except ThinkingIgnored:
+        raise StageError(f"{url} ignores the thinking switch: asked with chat_template_kwargs {switch}, it still "
+                         f"thinks (its chat template does not read {spec.thinking_kwarg!r}: set "
+                         f"target.thinking_kwarg to the kwarg it reads, or serve a template that has the switch)") \
+            from None
+    except Exception as exc:  # noqa: BLE001 - explained in one line
+        raise _probe_error(url, exc) from None
+    if spec.thinking and not done.reasoning:
+        raise StageError(f"thinking is on, but {url} returned no reasoning (no reasoning_content/reasoning "
+                         f"field, no <think> tags; asked with {switch}): the server may lack a reasoning parser "
+                         f"(SGLang/vLLM: --reasoning-parser), or the model does not think; or run with "
+                         f"generation.thinking=false")
+    return done
 
 
 async def _token_id_method(client: AsyncOpenAI, url: str, spec: RequestSpec, stream: bool, engine: str,
@@ -91,9 +118,11 @@ async def _token_id_method(client: AsyncOpenAI, url: str, spec: RequestSpec, str
     return None
 
 
-async def _served_models(client: AsyncOpenAI, url: str) -> list[str]:
+async def _served_models(client: AsyncOpenAI, url: str) -> dict[str, int | None]:
+    """{model id: its context in tokens where the server says it (vLLM's max_model_len, llama-server's meta.n_ctx per
+    slot), else None}."""
     try:
-        return [m.id for m in (await client.models.list()).data]
+        return {m.id: _context_of(m) for m in (await client.models.list()).data}
     except openai.APIConnectionError as exc:
         raise StageError(f"cannot reach the server at {url} (GET {url}/models: "
                          f"{redact_url(str(exc.__cause__ or exc))}); is it running, and is the host/port right?") \
@@ -106,6 +135,12 @@ async def _served_models(client: AsyncOpenAI, url: str) -> list[str]:
     except (openai.APIResponseValidationError, ValueError) as exc:
         raise StageError(f"GET {url}/models did not return an OpenAI model list ({exc}); "
                          f"{url} is not an OpenAI-compatible API") from None
+
+
+def _context_of(model) -> int | None:
+    extra = getattr(model, "model_extra", None) or {}
+    value = extra.get("max_model_len") or (extra.get("meta") or {}).get("n_ctx")
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def _probe_error(url: str, exc: BaseException) -> StageError:

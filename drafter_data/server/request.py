@@ -6,7 +6,9 @@ for resuming, and the kwargs tokenize renders with.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import orjson
 from omegaconf import OmegaConf
@@ -31,6 +33,9 @@ class RequestSpec:
     token_ids: str = "auto"  # generation.token_ids: auto | on | off (what preflight looks for)
     token_ids_via: str | None = None  # how this server is asked for them (token_ids.METHODS), set from preflight
     logit_bias: tuple = ()  # generation.logit_bias as sorted (token id, bias) pairs; () sends none
+    # sha256 of the chat template the embedded server is started with (server.kind=local): not sent, but it decides
+    # what the model sees, so it keys the completion; None for a server we do not start (its template is its own)
+    server_template: str | None = None
 
     @classmethod
     def from_config(cls, cfg, template_kwargs=None, max_tokens: int | None = None) -> RequestSpec:
@@ -42,7 +47,7 @@ class RequestSpec:
                    seed=None if gen.get("seed") is None else int(gen.seed), thinking=bool(gen.thinking),
                    thinking_kwarg=str(target.thinking_kwarg),
                    template_kwargs=_plain(kwargs), token_ids=token_id_mode(gen.get("token_ids", "auto")),
-                   logit_bias=logit_bias_pairs(gen.get("logit_bias")))
+                   logit_bias=logit_bias_pairs(gen.get("logit_bias")), server_template=local_template_hash(cfg.server))
 
     def chat_template_kwargs(self, thinking: bool | None = None) -> dict:
         """The template kwargs of a request: the thinking switch (this spec's mode unless given) and the rest."""
@@ -71,9 +76,11 @@ class RequestSpec:
 
     def identity(self, target_name: str, thinking: bool | None = None) -> bytes:
         """Everything besides the prompt that determines a completion in mode `thinking` (this spec's unless
-        given), as canonical bytes (the request key's input). Unchanged in form since the first release, so
-        completions made then still resume."""
-        return orjson.dumps({"target": target_name, **self._deciding(thinking)}, option=orjson.OPT_SORT_KEYS)
+        given), as canonical bytes (the request key's input). Unchanged in form since the first release for a server
+        we do not start, so completions made then still resume."""
+        started = {"server_template": self.server_template} if self.server_template else {}
+        return orjson.dumps({"target": target_name, **self._deciding(thinking), **started},
+                            option=orjson.OPT_SORT_KEYS)
 
     def with_max_tokens(self, max_tokens: int) -> RequestSpec:
         return RequestSpec(**{**self.__dict__, "max_tokens": int(max_tokens)})
@@ -89,6 +96,18 @@ class RequestSpec:
         """This spec asking for token ids by `via` (ServerFeatures.token_ids from preflight; None: not asking)."""
         id_method(via)  # unknown names fail here, not at the first request
         return RequestSpec(**{**self.__dict__, "token_ids_via": via})
+
+
+def local_template_hash(server) -> str | None:
+    """sha256 of server.local.chat_template for the embedded server (server.kind=local), else None."""
+    local = server.get("local") if server.get("kind") == "local" else None
+    path = local.get("chat_template") if local else None
+    if not path:
+        return None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise StageError(f"cannot read server.local.chat_template {path}: {exc.strerror or exc}") from None
 
 
 def token_id_mode(value) -> str:

@@ -30,6 +30,11 @@ def chat_template_kwargs(thinking_kwarg: str, thinking: bool, template_kwargs: d
     return {thinking_kwarg: bool(thinking), **dict(template_kwargs or {})}
 
 
+def kwargs_text(kwargs: dict) -> str:
+    """The form a completion stores its request's chat_template_kwargs in (sorted JSON)."""
+    return json.dumps(kwargs, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """Hugging Face's sandbox, with its verdicts on attributes of a dict, list or str remembered: for these types
     they depend only on the type and the attribute's name (a quarter of the render time otherwise)."""
