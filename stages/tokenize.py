@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
@@ -32,9 +33,9 @@ from drafter_data.config import run_stage
 from drafter_data.contract import shard_paths
 from drafter_data.errors import StageError
 from drafter_data.outputs import StagedOutputDir
-from drafter_data.tokens.chat_template import chat_template_kwargs
+from drafter_data.tokens.duplicates import kept_mask, repeated_rows
 from drafter_data.tokens.checks import (OUTPUT_MARKERS, check_consistency, check_output_dir, check_policies,
-                                        result_problems)
+                                        render_kwargs, result_problems)
 from drafter_data.tokens.lengths import LengthHistograms
 from drafter_data.tokens.regroup import partition_by_conversation
 from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
@@ -51,6 +52,7 @@ def main(cfg) -> int:
     in_paths = input_shards(Path(tcfg.input))
     check_policies(tcfg)
     check_consistency(in_paths, cfg)
+    skips = repeated_rows(in_paths)  # a row found twice is read once; two different ones are refused here
     protected = protected_paths(cfg)
     check_output_dir(Path(tcfg.output), protected)  # a refused output fails here, before any work
     # everything is written into staged.path (the workers' shards, the .conversations scratch partition, meta.json),
@@ -62,7 +64,7 @@ def main(cfg) -> int:
         with server_root(cfg) as root:
             settings["server_root"] = root
             init_worker(settings)  # here first: a missing file fails once, clearly, before any worker starts
-            tasks = plan_tasks(in_paths, staged.path, settings)
+            tasks = plan_tasks(in_paths, staged.path, settings, skips)
             # workers are forked before MLflow's thread starts (they start with the tokenizer loaded); MLflow's
             # start-up (~2.5 s of CPU) is then let finish before the tasks go out, so it does not take their cores
             with task_map(int(tcfg.get("workers") or 1), root is not None, len(tasks)) as map_tasks, \
@@ -113,9 +115,8 @@ def worker_settings(cfg, out_dir: Path) -> dict:
     """Everything a worker process needs, as plain data (where workers are spawned, not forked)."""
     tcfg = cfg.tokenize
     thinking = bool(cfg.generation.thinking)
-    template_kwargs = OmegaConf.to_container(tcfg.template_kwargs, resolve=True) if tcfg.template_kwargs else {}
     return {"target": OmegaConf.to_container(cfg.target, resolve=True), "thinking": thinking,
-            "chat_kwargs": chat_template_kwargs(cfg.target.thinking_kwarg, thinking, template_kwargs),
+            "chat_kwargs": render_kwargs(cfg, thinking),
             "rows": tcfg.get("rows") or "per_turn", "mask_token_id": cfg.target.get("mask_token_id"),
             "escape_mask_text": tcfg.on_mask_token_text == "escape", "max_length": int(tcfg.max_length),
             "overlength": tcfg.overlength, "on_length_finish": tcfg.on_length_finish,
@@ -135,18 +136,24 @@ def server_root(cfg):
         yield api_root(urls[0])
 
 
-def plan_tasks(in_paths: list[Path], out_dir: Path, settings: dict) -> list[tuple[str, list]]:
-    """Tasks of about shard_rows input rows: (name, [(path, row group or None for a whole file), ...]). For
-    conversation rows, the input is first partitioned so each task holds whole conversations."""
+def plan_tasks(in_paths: list[Path], out_dir: Path, settings: dict, skips: dict | None = None
+               ) -> list[tuple[str, list]]:
+    """Tasks of about shard_rows input rows: (name, [(path, row group or None for a whole file, the rows of it not to
+    read or None), ...]). For conversation rows, the input is first partitioned so each task holds whole
+    conversations. `skips`: repeated_rows' later copies, per shard."""
+    skips = skips or {}
     if settings["rows"] == "conversation":
-        parts = partition_by_conversation(in_paths, out_dir / ".conversations", settings["shard_rows"])
-        return [(f"{i:05d}", [(str(p), None)]) for i, p in enumerate(parts)]
+        parts = partition_by_conversation(in_paths, out_dir / ".conversations", settings["shard_rows"], skips)
+        return [(f"{i:05d}", [(str(p), None, None)]) for i, p in enumerate(parts)]
     tasks, pieces, rows = [], [], 0
     for path in in_paths:
-        meta = pq.ParquetFile(path).metadata
+        meta, start = pq.ParquetFile(path).metadata, 0
         for rg in range(meta.num_row_groups):
-            pieces.append((str(path), rg))
-            rows += meta.row_group(rg).num_rows
+            length = meta.row_group(rg).num_rows
+            keep = kept_mask(skips.get(str(path)), start, length)
+            pieces.append((str(path), rg, None if keep is None else np.flatnonzero(~keep)))
+            start += length
+            rows += length
             if rows >= settings["shard_rows"]:
                 tasks.append((f"{len(tasks):05d}", pieces))
                 pieces, rows = [], 0

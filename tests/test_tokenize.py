@@ -46,6 +46,9 @@ def write_completions(directory: Path, rows: list[dict]) -> Path:
 
 
 def kimi_overrides(inp: Path, out: Path, thinking: bool = True, kwargs: str = "{preserve_thinking:true}"):
+    """K2.6, rendering with `kwargs` on top of its own {preserve_thinking: true}; the goldens rendered without
+    preserve_thinking ("{}") are rendered with it false, the template's default."""
+    kwargs = "{preserve_thinking:false}" if kwargs == "{}" else kwargs
     return ["target=kimi-k2.6", f"target.tokenizer_dir={KIMI_DIR}", f"generation.thinking={str(thinking).lower()}",
             f"tokenize.template_kwargs={kwargs}", f"tokenize.input={inp}", f"tokenize.output={out}"]
 

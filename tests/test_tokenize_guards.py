@@ -161,3 +161,84 @@ def test_mlflow_run_has_the_length_plot_and_the_new_metrics(run_stage, tmp_path,
     metrics = run.data.metrics
     assert metrics["drift.rows_compared"] == 0 and metrics["thinking_rows.on"] == 3 and metrics["rows.kept"] == 3
     assert read_rows(out) and len(read_rows(out)) == 3
+
+
+def kimi_thinking_rows(n: int = 4, **extra) -> list[dict]:
+    return [completion_row(f"k{i}", [{"role": "user", "content": f"question {i}"},
+                                     {"role": "assistant", "content": f"answer {i}", "reasoning_content": f"thought {i}"}],
+                           thinking=True, **extra) for i in range(n)]
+
+
+def test_tokenize_template_kwargs_add_to_the_targets_own(run_stage, tmp_path):
+    """tokenize.template_kwargs adds to K2.6's {preserve_thinking: true}: setting another kwarg must not drop it (on
+    today's main it replaced it: the reasoning left every row's loss while meta.json said thinking: true)."""
+    inp = write_completions(tmp_path / "in", kimi_thinking_rows())
+    base = ["target=kimi-k2.6", f"target.tokenizer_dir={KIMI_DIR}", f"tokenize.input={inp}"]
+    run_stage("tokenize", *base, f"tokenize.output={tmp_path / 'plain'}")
+    run_stage("tokenize", *base, f"tokenize.output={tmp_path / 'extra'}", "tokenize.template_kwargs={foo:1}")
+    plain, extra = read_rows(tmp_path / "plain"), read_rows(tmp_path / "extra")
+    assert [r["input_ids"] for r in extra] == [r["input_ids"] for r in plain]
+    assert [sum(r["loss_mask"]) for r in extra] == [sum(r["loss_mask"]) for r in plain]
+    meta = json.loads((tmp_path / "extra" / "meta.json").read_text())
+    assert meta["template_kwargs"] == {"preserve_thinking": True, "foo": 1}
+    tok = KimiTokenizer(KIMI_DIR)
+    assert "thought 0" in tok.decode(plain[0]["input_ids"][plain[0]["loss_mask"].index(1):])
+
+
+def test_completions_sent_with_other_template_kwargs_are_refused(run_stage, tmp_path):
+    """Each completion knows the chat_template_kwargs it was sent with: rendering it with others is refused in one
+    line, before any work."""
+    sent = '{"preserve_thinking":true,"thinking":true}'
+    inp = write_completions(tmp_path / "in", kimi_thinking_rows(chat_template_kwargs=sent))
+    base = ["target=kimi-k2.6", f"target.tokenizer_dir={KIMI_DIR}", f"tokenize.input={inp}"]
+    run_stage("tokenize", *base, f"tokenize.output={tmp_path / 'ok'}")  # the same kwargs: fine
+    proc = run_stage("tokenize", *base, f"tokenize.output={tmp_path / 'out'}",
+                     "tokenize.template_kwargs={preserve_thinking:false}", check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) <= 2, proc.stderr[-2000:]
+    assert "sent with chat_template_kwargs" in last and '"preserve_thinking":false' in last
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_row_found_twice_is_one_training_row_and_two_different_ones_are_refused(run_stage, tmp_path):
+    """A completions shard copied (or a kill during an older generate's compaction) must not make two token rows
+    of one (prompt_id, turn): identical copies are read once; two different answers to one request are refused."""
+    rows = kimi_thinking_rows(3)
+    inp = write_completions(tmp_path / "in", rows)
+    shutil.copy(inp / "completions-00000.parquet", inp / "completions-00001.parquet")
+    for rows_kind in ("per_turn", "conversation"):
+        out = tmp_path / f"out-{rows_kind}"
+        run_stage("tokenize", *kimi_overrides(inp, out), f"tokenize.rows={rows_kind}")
+        assert Counter(r["prompt_id"] for r in read_rows(out)) == Counter(r["prompt_id"] for r in rows)
+        assert json.loads((out / "meta.json").read_text())["rows"]["read"] == 3
+    changed = [dict(r) for r in rows]
+    changed[1]["content"] = "another answer"
+    write_completions(tmp_path / "in2", changed)
+    shutil.copy(inp / "completions-00000.parquet", tmp_path / "in2" / "completions-00001.parquet")
+    proc = run_stage("tokenize", *kimi_overrides(tmp_path / "in2", tmp_path / "out2"), check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "two different completions for prompt k1 turn 0" in last
+    assert not (tmp_path / "out2").exists()
+
+
+def test_a_full_disk_while_tokenizing_is_one_line_and_the_old_output_stays(run_stage, tmp_path, mlflow_uri):
+    import os
+    import subprocess
+    import sys
+
+    rows = kimi_thinking_rows(8)
+    inp = write_completions(tmp_path / "in", rows[4:])
+    shutil.move(inp / "completions-00000.parquet", inp / "completions-00001.parquet")
+    write_completions(inp, rows[:4])  # two shards: two tasks, in worker processes
+    run_stage("tokenize", *kimi_overrides(inp, tmp_path / "out"))
+    before = read_rows(tmp_path / "out")
+    assert len(before) == 8
+    (tmp_path / "full").touch()
+    proc = subprocess.run([sys.executable, "-m", "tests.inject", f"disk_full_while={tmp_path / 'full'}", "--",
+                           "stages.tokenize", *kimi_overrides(inp, tmp_path / "out")], cwd=REPO,
+                          env={**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri}, capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("20")]  # MLflow's own log
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: No space left on device") and "free some space" in lines[0]
+    assert read_rows(tmp_path / "out") == before

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from omegaconf import OmegaConf
 
 from drafter_data.errors import StageError
+from drafter_data.tokens.chat_template import chat_template_kwargs, kwargs_text
 
 # what tokenize writes in its output (.conversations: the scratch partition of tokenize.rows=conversation, which a
 # run stopped before the staged output existed may have left there): a directory holding none of them is not ours
@@ -40,12 +42,32 @@ def _unique(path: Path, column: str) -> set:
     return set(pc.unique(column_values).to_pylist()) - {None}
 
 
+def render_kwargs(cfg, thinking: bool) -> dict:
+    """The chat-template kwargs tokenize renders a row of mode `thinking` with: the switch, the target's kwargs and
+    tokenize.template_kwargs added to them."""
+    extra = OmegaConf.to_container(cfg.tokenize.template_kwargs, resolve=True) if cfg.tokenize.template_kwargs else {}
+    target = OmegaConf.to_container(cfg.target.template_kwargs, resolve=True) if cfg.target.template_kwargs else {}
+    return chat_template_kwargs(cfg.target.thinking_kwarg, thinking, {**target, **extra})
+
+
 def check_consistency(paths: list[Path], cfg) -> None:
-    """Refuse completions made for another target; and, unless generation.thinking_ratio mixes modes on purpose,
-    completions made in another thinking mode than generation.thinking."""
+    """Refuse completions made for another target; unless generation.thinking_ratio mixes modes on purpose,
+    completions made in another thinking mode than generation.thinking; and completions sent with other chat-template
+    kwargs than tokenize would render them with (rows of older releases, which did not store them, are not
+    checked)."""
     mixed = cfg.generation.get("thinking_ratio") is not None
+    expected = {mode: kwargs_text(render_kwargs(cfg, mode)) for mode in (True, False)}
     for path in paths:
         names = set(pq.read_schema(path).names)
+        if "chat_template_kwargs" in names:
+            sent = pq.ParquetFile(path).read(columns=["thinking", "chat_template_kwargs"], use_threads=False)
+            for pair in sent.group_by(["thinking", "chat_template_kwargs"]).aggregate([]).to_pylist():
+                want = expected[bool(pair["thinking"])]
+                if pair["chat_template_kwargs"] is not None and pair["chat_template_kwargs"] != want:
+                    raise StageError(f"completions in {cfg.tokenize.input} were sent with chat_template_kwargs "
+                                     f"{pair['chat_template_kwargs']}, but tokenize would render them with {want} "
+                                     f"(target.template_kwargs + tokenize.template_kwargs): render them as they "
+                                     f"were sent")
         checks = [("target", cfg.target.name, "target")]
         if not mixed:
             checks.append(("thinking", bool(cfg.generation.thinking), "generation.thinking"))

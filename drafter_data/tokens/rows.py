@@ -250,16 +250,22 @@ class ShardWriter:
         self.lengths.add("answer", [t[1] for r in rows for t in r.turn_lengths])
 
 
-def input_turns(pieces: list[tuple[str, int | None]], settings: dict):
-    """The turns of one task, in batches: row groups of completions shards (per_turn), or a partition file sorted by
-    conversation (conversation). Read on this thread: the workers already take the cores."""
-    for path, row_group in pieces:
+def input_turns(pieces: list[tuple[str, int | None, np.ndarray | None]], settings: dict):
+    """The turns of one task, in batches: row groups of completions shards (per_turn), less the rows listed as later
+    copies of others, or a partition file sorted by conversation (conversation). Read on this thread: the workers
+    already take the cores."""
+    for path, row_group, skip in pieces:
         file = pq.ParquetFile(path)
         columns = [c for c in COLUMNS if c in file.schema_arrow.names]
         if row_group is None:
             table = file.read(columns=columns, use_threads=False).sort_by([("prompt_id", "ascending"),
                                                                            ("turn", "ascending")])
             batches = table.to_batches(max_chunksize=settings["shard_rows"])
+        elif skip is not None:
+            table = file.read_row_group(row_group, columns=columns, use_threads=False)
+            keep = np.ones(table.num_rows, dtype=bool)
+            keep[skip] = False
+            batches = table.filter(pa.array(keep)).to_batches(max_chunksize=settings["shard_rows"])
         else:
             batches = file.iter_batches(batch_size=settings["shard_rows"], row_groups=[row_group], columns=columns,
                                         use_threads=False)
