@@ -40,6 +40,8 @@ WAIT_S = 120.0
 # A stage stopped by Ctrl-C or SIGTERM waits no longer than this for MLflow to record the run KILLED: the user (or a
 # scheduler's grace period) wants it gone, and a store that does not answer would otherwise hold it up for WAIT_S.
 STOP_WAIT_S = 10.0
+# A tracking server is asked once, at the start, whether it answers at all, within this (see check_reachable).
+REACH_TIMEOUT_S = 5.0
 # A run's metrics waiting to be sent are capped (oldest dropped) while the store does not answer.
 MAX_PENDING_METRICS = 100_000
 
@@ -307,6 +309,7 @@ class StageRun:
               f"(its data are not affected; further MLflow errors of this run are not shown)", file=sys.stderr)
 
     def _open(self, uri: str, experiment: str, name: str, tags: dict, params: dict, start_ms: int) -> None:
+        check_reachable(uri)
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
@@ -331,6 +334,28 @@ class StageRun:
     def _terminate(self, status: str, end_ms: int) -> None:
         if self.run_id is not None:
             self._client.set_terminated(self.run_id, status, end_time=end_ms)
+
+
+def check_reachable(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """A tracking server (http/https URI) that does not answer within timeout_s raises ConnectionError: the stage
+    then runs without tracking at once, instead of waiting out MLflow's own timeouts and retries on every call."""
+    if not uri.lower().startswith(("http://", "https://")):
+        return
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
+            return
+    except urllib.error.HTTPError:  # it answered (with an error status): it is there
+        return
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, ssl.SSLError):  # it answered; its certificate is MLflow's business
+            return
+        raise ConnectionError(f"the tracking server {redact_url(uri)} did not answer within {timeout_s:g} s "
+                              f"({reason})") from None
 
 
 @contextmanager

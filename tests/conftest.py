@@ -1,15 +1,37 @@
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from drafter_data.worker_processes import dies_with_this_process
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 PROMPT_FIXTURES = SHARED / "fixtures" / "prompts"
 KIMI_DIR = SHARED / "fixtures" / "kimi-k2-tokenizer"
+
+
+def pytest_configure(config):
+    """SIGTERM (a user, a CI timeout) ends the run as Ctrl-C does: pytest then tears the fixtures down, and the
+    servers they started stop. Every process a test starts (from the main thread: a server, a stage) is also killed
+    by the kernel if this one is killed outright (dies_with_this_process)."""
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
+    popen_init = subprocess.Popen.__init__
+
+    def init(self, *args, **kwargs):
+        if kwargs.get("preexec_fn") is None and threading.current_thread() is threading.main_thread():
+            kwargs["preexec_fn"] = dies_with_this_process()
+        popen_init(self, *args, **kwargs)
+
+    subprocess.Popen.__init__ = init
 
 
 def require_shared(path: Path) -> Path:

@@ -231,3 +231,22 @@ def test_parallel_ranges_give_the_same_output_lines_and_counts(run_stage, tmp_pa
     assert one == many and s1 == s2 and r1 == r2
     assert [r["line"] for r in r2] == [i + 1 for i in range(400) if i % 37 == 5]
     assert s2["m"]["dropped"]["duplicate"] > 0
+
+
+def test_a_prompt_is_never_altered_silently_images_and_object_values_are_rejected(run_stage, tmp_path):
+    """An OpenAI image_url part was dropped and the prompt kept as text; a ShareGPT value that is an object became its
+    JSON text. Each is rejected under its own reason, listed, counted."""
+    src = tmp_path / "mixed.jsonl"
+    records = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is in it?"},
+                                                   {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+        {"conversations": [{"from": "human", "value": {"question": "an object"}}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "only text parts"}]}]},
+        {"prompt": "plain"},
+    ]
+    src.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    rows, stats, rejects = prepare(run_stage, tmp_path / "out", ("mixed", src, "auto"))
+    check_contract(rows, stats)
+    assert sorted(r["messages"][0]["content"] for r in rows) == ["only text parts", "plain"]
+    assert stats["mixed"]["dropped"] == {"non_text_content": 1, "object_content": 1}
+    assert {r["line"]: r["reason"] for r in rejects} == {1: "non_text_content", 2: "object_content"}

@@ -149,3 +149,14 @@ def test_a_variable_name_gives_its_value_and_remembers_the_name(monkeypatch):
     monkeypatch.delenv("MY_SERVER_KEY")
     key = api_key(OmegaConf.create({"api_key_env": "MY_SERVER_KEY"}))
     assert key == "EMPTY" and not key.present
+
+
+def test_redact_url_takes_the_parsers_userinfo_and_masks_secret_looking_query_values():
+    """A password holding `@` (httpx accepts it) went out as `http://hunter3@host/v1`; api-key, x-api-key, auth and
+    passwd query values were not masked."""
+    assert redact_url("http://alice:hunter2@hunter3@host/v1") == "http://host/v1"
+    text = redact_url("GET http://h:8000/v1/models?api-key=k1&x-api-key=k2&auth=k3&passwd=k4&model=m failed")
+    assert text == "GET http://h:8000/v1/models?api-key=***&x-api-key=***&auth=***&passwd=***&model=m failed"
+    assert not any(secret in redact_url("https://u:p@h/v1?token=t1;sig=s1&access_token=t2") for secret in
+                   ("u:p", "t1", "s1", "t2"))
+    assert redact_url("sqlite:////abs/mlflow.db") == "sqlite:////abs/mlflow.db"

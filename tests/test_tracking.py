@@ -331,3 +331,25 @@ def test_a_stopped_stage_waits_only_briefly_for_a_store_that_never_answers(monke
     with tracking.stage_run("prepare", cfg()):
         pass
     assert time.monotonic() - started >= 1.0  # a stage that finished waits the whole WAIT_S
+
+
+def test_a_tracking_server_that_never_answers_costs_a_stage_seconds_not_minutes(run_stage, tmp_path):
+    """A tracking URI whose server accepts connections and never answers added 120 s to every stage: it is asked once
+    at the start, briefly, and the stage runs without tracking, with one warning."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections are accepted by the kernel, never answered
+    uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        started = time.monotonic()
+        proc = run_stage("prepare", sources_override(("s", REPO / "data/sample_prompts/prompts.jsonl", "auto")),
+                         f"prepare.output={tmp_path / 'out'}", f"mlflow.tracking_uri={uri}", timeout=120)
+        took = time.monotonic() - started
+    finally:
+        silent.close()
+    assert took < tracking.REACH_TIMEOUT_S + 30, took
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: MLflow")]
+    assert len(warnings) == 1 and "did not answer within 5 s" in warnings[0]
+    assert (tmp_path / "out" / "stats.json").exists()

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from drafter_data.prompts.malformed import Malformed
 from drafter_data.prompts.tools import CallLog
 
@@ -72,19 +70,24 @@ def to_turns(record: Any, fmt: str, first_only: bool = False) -> list[Turn]:
 
 
 def _text(value: Any, where: str) -> str:
+    """A message's text. Never altered silently: content parts other than text (an image, audio) and objects are
+    rejected with their own reasons, not dropped or written out as JSON."""
     if isinstance(value, str):
         return value
     if value is None:
         return ""
-    if isinstance(value, list):  # OpenAI content parts: keep the text parts
-        parts = [p.get("text", "") for p in value if isinstance(p, dict) and p.get("type", "text") == "text"]
+    if isinstance(value, list):  # OpenAI content parts: text parts only
+        kinds = sorted({str(p.get("type", "text")) if isinstance(p, dict) else type(p).__name__ for p in value}
+                       - {"text"})
+        if kinds:
+            raise Malformed("non_text_content", f"{where} has {', '.join(kinds)} parts: the target is sent text "
+                                                f"only, and a prompt is never cut down to its text")
+        parts = [p.get("text", "") for p in value]
         if all(isinstance(p, str) for p in parts):
             return "".join(parts)
-    if isinstance(value, dict):  # e.g. a tool result given as an object
-        try:
-            return orjson.dumps(value).decode()
-        except orjson.JSONEncodeError as exc:
-            raise Malformed("wrong_type", f"{where} is an object that cannot be written as text: {exc}") from None
+    if isinstance(value, dict):
+        raise Malformed("object_content", f"{where} is an object, not text (keys {sorted(value)[:6]}): it is not "
+                                          f"turned into JSON text silently")
     raise Malformed("wrong_type", f"{where} must be a string, got {type(value).__name__}")
 
 
