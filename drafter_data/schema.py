@@ -84,7 +84,7 @@ class Generation:
     concurrency_min: int = ranged(1, **POSITIVE)
     concurrency_max: int = ranged(256, **POSITIVE)
     seed: Optional[int] = None
-    logit_bias: Optional[Dict[Any, float]] = None
+    logit_bias: Any = None  # {token id: bias}; Any, since OmegaConf cannot merge int-keyed dicts: checked in `check`
 
 
 @dataclass
@@ -209,7 +209,28 @@ def one_line(exc: BaseException) -> str:
         exc = exc.__cause__
     key = getattr(exc, "full_key", None)
     text = " ".join((str(getattr(exc, "msg", None) or exc).split("\n    full_key:")[0]).split())
-    return f"{key}: {text}" if key and not text.startswith(str(key)) else text
+    line = f"{key}: {text}" if key and not text.startswith(str(key)) else text
+    allowed = _allowed(str(key)) if key else None
+    return f"{line}; give {key}=<{allowed}>" if allowed else line
+
+
+def _allowed(key: str) -> Optional[str]:
+    """What a key takes, in words, from its field's metadata (None for a key the schema does not range)."""
+    schema, meta = Config, None
+    for part in key.split("."):
+        match = next((f for f in fields(schema) if f.name == part), None) if schema is not None else None
+        if match is None:
+            return None
+        schema, meta = _dataclass_of(match.type), match.metadata
+    if not meta:
+        return None
+    if meta["choices"]:
+        return " | ".join(meta["choices"])
+    if meta["low"] == 0.0 and meta["high"] == 1.0:
+        return "a share from 0 to 1"
+    bounds = [f">= {meta['low']}" if meta["low"] is not None else "", f"> {meta['above']}" if meta["above"] is not None
+              else "", f"<= {meta['high']}" if meta["high"] is not None else ""]
+    return "a number " + " and ".join(b for b in bounds if b)
 
 
 def check(cfg) -> None:
@@ -225,10 +246,20 @@ def check(cfg) -> None:
                         f"{gen.concurrency_max}")
     if not cfg.assess.concurrency or any(c < 1 for c in cfg.assess.concurrency):
         problems.append(f"assess.concurrency={list(cfg.assess.concurrency)}: give levels of 1 or more")
+    bias = gen.logit_bias
+    if bias is not None and not (OmegaConf.is_dict(bias) and all(
+            str(k).lstrip("-").isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and -100 <= v <= 100 for k, v in bias.items())):
+        problems.append(f"generation.logit_bias={bias!r}: give a mapping of token id to a bias from -100 to 100, "
+                        f"e.g. {{106: 16}}, or null")
     extra = cfg.tokenize.template_kwargs
     if extra is not None and not OmegaConf.is_dict(extra):
         problems.append(f"tokenize.template_kwargs={extra!r}: give a mapping of kwargs, e.g. {{preserve_thinking: "
                         f"true}}, or null")
+    urls = cfg.server.base_url if OmegaConf.is_list(cfg.server.base_url) else [cfg.server.base_url]
+    if not urls or not all(isinstance(u, str) and u.lower().startswith(("http://", "https://")) for u in urls):
+        problems.append(f"server.base_url={_plain(cfg.server.base_url)!r}: give the server's http(s) URL (e.g. "
+                        f"http://host:8000/v1) or a list of them")
     if cfg.server.kind == "local" and cfg.server.local is None:
         problems.append("server.local: server.kind=local needs its settings (server=local)")
     if problems:
@@ -264,8 +295,12 @@ def _dataclass_of(annotation) -> Optional[type]:
 
 def _bad(key: str, value, meta: dict) -> list[str]:
     low, high, above, choices = meta["low"], meta["high"], meta["above"], meta["choices"]
+    if isinstance(value, float) and value != value:  # NaN passes every comparison
+        return [f"{key}=nan: give a number"]
     if choices is not None and value not in choices:
         return [f"{key}={value!r}: choose one of {', '.join(choices)}"]
+    if (low, high) == (0.0, 1.0) and not 0.0 <= value <= 1.0:
+        return [f"{key}={value!r}: give a share from 0 to 1"]
     if low is not None and value < low:
         return [f"{key}={value!r}: must be {low} or more"]
     if high is not None and value > high:
@@ -273,3 +308,7 @@ def _bad(key: str, value, meta: dict) -> list[str]:
     if above is not None and value <= above:
         return [f"{key}={value!r}: must be more than {above}"]
     return []
+
+
+def _plain(value):
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
