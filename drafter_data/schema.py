@@ -29,134 +29,155 @@ POSITIVE = {"low": 1}
 
 @dataclass
 class Source:
-    name: str = MISSING
-    path: str = MISSING
+    name: str = MISSING  # a short name: the rows' `source` column and the stats' key
+    path: str = MISSING  # the prompt file (JSON list or JSONL), absolute or from the repo root
+    # auto detects the container per file and the schema per record
     format: str = ranged("auto", choices=("auto", "jsonl", "sharegpt", "openai", "alpaca", "prompt"))
+    # at most this many prompts from this source, taken before prepare.sample
     quota: Optional[int] = ranged(None, low=0)
-    fields: Optional[Dict[str, str]] = None
+    fields: Optional[Dict[str, str]] = None  # our key names to the file's own, e.g. {prompt: query_text}
 
 
 @dataclass
 class LocalServer:
-    binary: Optional[str] = None
-    model_path: Optional[str] = None
-    chat_template: Optional[str] = None
-    slots: int = ranged(16, **POSITIVE)
-    context: int = ranged(32768, **POSITIVE)
-    threads: int = ranged(2, **POSITIVE)
-    startup_timeout_s: float = ranged(60.0, above=0)
+    binary: Optional[str] = None  # llama-server to start; null: the one ./setup.sh built
+    model_path: Optional[str] = None  # the GGUF; null: the embedded Gemma 3 270M
+    chat_template: Optional[str] = None  # the template llama-server renders with (it keys the completions)
+    slots: int = ranged(16, **POSITIVE)  # parallel sequences llama-server holds
+    context: int = ranged(32768, **POSITIVE)  # llama-server's whole context, shared by its slots
+    threads: int = ranged(2, **POSITIVE)  # CPU threads llama-server uses
+    startup_timeout_s: float = ranged(60.0, above=0)  # how long the stage waits for it to answer
 
 
 @dataclass
 class Server:
+    # local: the stage starts and stops llama-server; remote: a server already running
     kind: str = ranged("remote", choices=("local", "remote"))
     base_url: Any = MISSING  # one URL or a list of URLs
-    model: str = MISSING
-    api_key_env: Optional[str] = None
+    model: str = MISSING  # the model name the server serves; answers naming another are refused
+    api_key_env: Optional[str] = None  # the environment variable holding the API key (never the key itself)
+    # one request's limit (a 16k-token answer at 20 tok/s takes 800 s)
     request_timeout_s: float = ranged(1800.0, above=0)
-    local: Optional[LocalServer] = None
+    local: Optional[LocalServer] = None  # the embedded server's settings (server=local)
 
 
 @dataclass
 class Target:
-    name: str = MISSING
-    tokenizer_dir: Optional[str] = None
+    name: str = MISSING  # the target's name, stored in every row and checked by tokenize
+    tokenizer_dir: Optional[str] = None  # the checkpoint directory with the tokenizer files and chat_template.jinja
+    # how the target tokenizes: kimi_tiktoken, hf_tokenizers, or the running server
     tokenizer: str = ranged(MISSING, choices=("kimi_tiktoken", "hf_tokenizers", "server"))
-    chat_template: Optional[str] = None
+    chat_template: Optional[str] = None  # a template file; null: tokenizer_dir/chat_template.jinja
+    # the template kwarg that switches thinking (thinking for Kimi, enable_thinking for Qwen)
     thinking_kwarg: str = MISSING
+    # kwargs every render and request gets, e.g. {preserve_thinking: true}
     template_kwargs: Dict[str, Any] = field(default_factory=dict)
-    assistant_header: str = MISSING
+    assistant_header: str = MISSING  # the text that opens an assistant turn in the template
+    # the id recorded as the mask token for DFlash (K2.6 has none: an unused reserved id)
     mask_token_id: Optional[int] = ranged(None, low=0)
+    # how the template wants tools declared (K2.6: TypeScript-style)
     tool_declarations: Optional[str] = ranged(None, choices=("kimi_typescript",))
+    # the share of rows whose sampled ids may differ from their retokenized text
     max_drift_rate: float = ranged(0.02, **SHARE)
 
 
 @dataclass
 class Generation:
-    thinking: bool = True
+    thinking: bool = True  # thinking mode on for every request
+    # instead: this share of prompts thinks (seeded by prompt_id), the rest does not
     thinking_ratio: Optional[float] = ranged(None, **SHARE)
+    # later turns send earlier answers without (drop) or with (keep) their reasoning
     history_reasoning: str = ranged("drop", choices=("drop", "keep"))
+    # keep the server's own token ids: auto when offered, on (required), off
     token_ids: str = ranged("auto", choices=("auto", "on", "off"))
-    max_tokens: int = ranged(MISSING, **POSITIVE)
-    temperature: float = ranged(MISSING, low=0.0, high=2.0)
-    top_p: float = ranged(1.0, above=0.0, high=1.0)
+    max_tokens: int = ranged(MISSING, **POSITIVE)  # the answer's limit in tokens, reasoning included
+    temperature: float = ranged(MISSING, low=0.0, high=2.0)  # sampling temperature
+    top_p: float = ranged(1.0, above=0.0, high=1.0)  # nucleus sampling
     concurrency: Any = 16  # requests in flight (>= 1) or "auto": checked in `check`
-    concurrency_min: int = ranged(1, **POSITIVE)
-    concurrency_max: int = ranged(256, **POSITIVE)
-    seed: Optional[int] = None
+    concurrency_min: int = ranged(1, **POSITIVE)  # auto's lowest level
+    concurrency_max: int = ranged(256, **POSITIVE)  # auto's highest level (keep it near what the engine holds)
+    seed: Optional[int] = None  # sampling seed sent with each request (null: none)
     logit_bias: Any = None  # {token id: bias}; Any, since OmegaConf cannot merge int-keyed dicts: checked in `check`
 
 
 @dataclass
 class Data:
+    # the prompt files: a list of {name, path, format, quota, fields}
     sources: List[Source] = field(default_factory=list)
-    sample: Optional[int] = ranged(None, low=0)
+    sample: Optional[int] = ranged(None, low=0)  # how many prompts to draw (null: all)
 
 
 @dataclass
 class Prepare:
     sources: List[Source] = field(default_factory=list)
-    output: str = MISSING
-    sample: Optional[int] = ranged(None, low=0)
-    seed: int = 0
+    output: str = MISSING  # where the prompt shards go
+    sample: Optional[int] = ranged(None, low=0)  # how many prompts to draw (null: all), after per-source quotas
+    seed: int = 0  # the sampling seed (the same sample on every machine)
+    # which turns of a conversation are asked: first, last (with the dataset's answers), all
     turns: str = ranged("first", choices=("first", "last", "all"))
-    max_prompt_chars: int = ranged(32768, **POSITIVE)
-    max_record_bytes: int = ranged(16777216, **POSITIVE)
+    max_prompt_chars: int = ranged(32768, **POSITIVE)  # longer prompts are dropped (too_long)
+    max_record_bytes: int = ranged(16777216, **POSITIVE)  # larger records are rejected without being held whole
+    # drop prompts longer than this for the target's tokenizer (null: no limit)
     max_prompt_tokens: Optional[int] = ranged(None, **POSITIVE)
-    shard_rows: int = ranged(100000, **POSITIVE)
-    workers: int = ranged(2, **POSITIVE)
-    split_mb: float = ranged(64.0, above=0)
-    fast_path: bool = True
+    shard_rows: int = ranged(100000, **POSITIVE)  # rows per Parquet shard
+    workers: int = ranged(2, **POSITIVE)  # processes for reading large files
+    split_mb: float = ranged(64.0, above=0)  # how much of a large JSONL file each worker reads at a time
+    fast_path: bool = True  # plain ShareGPT records skip the general path (same rows either way)
 
 
 @dataclass
 class Generate:
-    input: str = MISSING
-    output: str = MISSING
-    shard_rows: int = ranged(256, **POSITIVE)
-    server_down_timeout_s: float = ranged(600.0, low=0)
-    max_attempts: int = ranged(8, **POSITIVE)
+    input: str = MISSING  # prepare's prompt shards
+    output: str = MISSING  # where completions go (resumed, never overwritten)
+    shard_rows: int = ranged(256, **POSITIVE)  # rows per small shard (merged every 10 minutes and at the end)
+    server_down_timeout_s: float = ranged(600.0, low=0)  # how long a server that cannot be reached is waited for
+    max_attempts: int = ranged(8, **POSITIVE)  # tries of one request through passing faults
+    # broken connections one request may cause (a prompt that crashes the engine)
     max_connection_failures: int = ranged(6, **POSITIVE)
-    max_backoff_s: float = ranged(60.0, low=0)
+    max_backoff_s: float = ranged(60.0, low=0)  # the longest wait between retries
+    # run-wide faults in a row (bad key, unknown model) before the run stops
     max_run_wide_failures: int = ranged(5, **POSITIVE)
+    # requests failing for good in a row, none answered, before the run stops
     max_failed_in_a_row: int = ranged(10, **POSITIVE)
-    grace_period_s: float = ranged(300.0, low=0)
-    stream: bool = True
-    assessment: Optional[str] = None
+    grace_period_s: float = ranged(300.0, low=0)  # after Ctrl-C or SIGTERM, how long in-flight requests may finish
+    stream: bool = True  # stream answers (TTFT figures); false costs the client less CPU per token
+    assessment: Optional[str] = None  # assess's metrics.json: the ETA, the throughput check and auto's start
 
 
 @dataclass
 class Tokenize:
-    input: str = MISSING
-    output: str = MISSING
+    input: str = MISSING  # generate's completions
+    output: str = MISSING  # where the token shards and meta.json go (replaced whole)
     template_kwargs: Any = None  # a mapping added to target.template_kwargs; Any, so `={k: v}` may add new keys
-    max_length: int = ranged(16384, **POSITIVE)
-    overlength: str = ranged("truncate", choices=("drop", "truncate"))
-    on_length_finish: str = ranged("keep", choices=("keep", "drop"))
+    max_length: int = ranged(16384, **POSITIVE)  # longer rows are truncated or dropped (overlength)
+    overlength: str = ranged("truncate", choices=("drop", "truncate"))  # what happens to rows over max_length
+    on_length_finish: str = ranged("keep", choices=("keep", "drop"))  # keep or drop answers cut by max_tokens
+    # content spelling the mask token: encode it as text, or drop the row
     on_mask_token_text: str = ranged("escape", choices=("escape", "drop"))
-    rows: str = ranged("per_turn", choices=("per_turn", "conversation"))
-    max_drift_rate: float = ranged(0.02, **SHARE)
+    rows: str = ranged("per_turn", choices=("per_turn", "conversation"))  # one row per turn, or one per conversation
+    max_drift_rate: float = ranged(0.02, **SHARE)  # above it the stage exits 1 (default: the target's)
+    # share of prompts whose render differs from the server's prompt ids
     max_prompt_mismatch_rate: float = ranged(0.02, **SHARE)
-    max_drop_share: float = ranged(0.5, **SHARE)
-    shard_rows: int = ranged(2000, **POSITIVE)
-    workers: int = ranged(2, **POSITIVE)
+    max_drop_share: float = ranged(0.5, **SHARE)  # share of rows dropped above which the stage exits 1
+    shard_rows: int = ranged(2000, **POSITIVE)  # rows per token shard
+    workers: int = ranged(2, **POSITIVE)  # tokenizing processes
 
 
 @dataclass
 class Assess:
-    input: str = MISSING
-    output: str = MISSING
-    concurrency: List[int] = field(default_factory=lambda: [1, 4, 16])
-    requests_per_level: int = ranged(24, **POSITIVE)
-    max_tokens: int = ranged(MISSING, **POSITIVE)
-    num_completions: int = ranged(900000, **POSITIVE)
-    completion_tokens: int = ranged(2000, **POSITIVE)
+    input: str = MISSING  # prompts to measure with (prepare's; built-in ones when they run out)
+    output: str = MISSING  # metrics.json, report.md and plots
+    concurrency: List[int] = field(default_factory=lambda: [1, 4, 16])  # the levels measured
+    requests_per_level: int = ranged(24, **POSITIVE)  # requests measured at each level
+    max_tokens: int = ranged(MISSING, **POSITIVE)  # each measured answer's limit
+    num_completions: int = ranged(900000, **POSITIVE)  # the whole job projected: this many completions...
+    completion_tokens: int = ranged(2000, **POSITIVE)  # ...of this many tokens each
 
 
 @dataclass
 class Mlflow:
-    tracking_uri: Optional[str] = None
-    experiment: str = "drafter-data"
+    tracking_uri: Optional[str] = None  # null: mlflow.db at the repo root (or MLFLOW_TRACKING_URI)
+    experiment: str = "drafter-data"  # the MLflow experiment's name
 
 
 @dataclass
