@@ -35,6 +35,8 @@ def load(argv: list[str] | None = None) -> DictConfig:
     typed and range-checked (drafter_data/schema.py) before a stage does any work."""
     overrides = sys.argv[1:] if argv is None else argv
     if overrides:
+        if (hint := schema.renamed_override(overrides)) is not None:
+            raise StageError(hint)
         try:
             cfg = compose(overrides)
         except Exception as exc:  # hydra's own messages are good; keep them on one line

@@ -101,14 +101,8 @@ class Generation:
 
 
 @dataclass
-class Data:
-    # the prompt files: a list of {name, path, format, quota, fields}
-    sources: List[Source] = field(default_factory=list)
-    sample: Optional[int] = ranged(None, low=0)  # how many prompts to draw (null: all)
-
-
-@dataclass
 class Prepare:
+    # the prompt files: a list of {name, path, format, quota, fields}
     sources: List[Source] = field(default_factory=list)
     output: str = MISSING  # where the prompt shards go
     sample: Optional[int] = ranged(None, low=0)  # how many prompts to draw (null: all), after per-source quotas
@@ -185,12 +179,21 @@ class Config:
     target: Target = field(default_factory=Target)
     server: Server = field(default_factory=Server)
     generation: Generation = field(default_factory=Generation)
-    data: Data = field(default_factory=Data)
     prepare: Prepare = field(default_factory=Prepare)
     generate: Generate = field(default_factory=Generate)
     tokenize: Tokenize = field(default_factory=Tokenize)
     assess: Assess = field(default_factory=Assess)
     mlflow: Mlflow = field(default_factory=Mlflow)
+
+
+# The prompt files had two names (data.sources, read through prepare.sources); prepare.sources is now the only one.
+RENAMED = "data.sources and data.sample are now prepare.sources and prepare.sample"
+
+
+def renamed_override(overrides: list[str]) -> Optional[str]:
+    """The one-line hint for an override of the old data.* keys (or the removed data= group), else None."""
+    old = next((o for o in overrides if o.lstrip("+~").split("=")[0].split(".")[0] == "data"), None)
+    return f"{old}: {RENAMED}" if old else None
 
 
 def register() -> None:
@@ -202,6 +205,8 @@ def register() -> None:
 
 def typed(plain) -> Any:
     """A loaded params.yaml (a DictConfig) merged onto the schema: wrong types, unknown and missing keys refused."""
+    if "data" in plain:
+        raise StageError(RENAMED + " (an older params.yaml? recompose it: python scripts/compose_params.py)")
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), plain)
         missing = sorted(OmegaConf.missing_keys(cfg)) + _absent(plain, Config, "")

@@ -10,19 +10,60 @@ from drafter_data.config import compose
 from tests.conftest import REPO
 
 
+def committed_params(root=REPO) -> str:
+    """params.yaml as committed (HEAD), not the workspace's: `dvc exp run -S ...` leaves the experiment's params.yaml in
+    the workspace (`git checkout params.yaml` goes back), and a documented step must not fail the test suite. Outside
+    git (a source tarball), the file itself."""
+    shown = subprocess.run(["git", "-C", str(root), "show", "HEAD:params.yaml"], capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else (root / "params.yaml").read_text()
+
+
 def test_params_yaml_is_the_default_composition():
-    """params.yaml (what DVC tracks) must equal conf/ composed with no overrides; recompose with
-    `python scripts/compose_params.py` after editing conf/."""
-    committed = yaml.safe_load((REPO / "params.yaml").read_text())
+    """The committed params.yaml (what DVC tracks) must equal conf/ composed with no overrides; recompose with
+    `python scripts/compose_params.py` after editing conf/, and commit it."""
+    committed = yaml.safe_load(committed_params())
     composed = OmegaConf.to_container(compose([], root=REPO), resolve=True)
     assert committed == composed
 
 
+def test_the_committed_params_yaml_is_read_not_an_experiments(tmp_path):
+    """An experiment's params.yaml left in the workspace is not what is compared; outside git, the file is."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (repo / "params.yaml").write_text("generation: {max_tokens: 128}\n")
+    subprocess.run(git + ["add", "params.yaml"], check=True)
+    subprocess.run(git + ["commit", "-qm", "default"], check=True)
+    (repo / "params.yaml").write_text("generation: {max_tokens: 64}\n")  # what `dvc exp run -S` leaves
+    assert yaml.safe_load(committed_params(repo)) == {"generation": {"max_tokens": 128}}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "params.yaml").write_text("generation: {max_tokens: 64}\n")
+    assert yaml.safe_load(committed_params(plain)) == {"generation": {"max_tokens": 64}}
+
+
+def test_the_old_data_keys_are_refused_naming_the_new_ones(tmp_path):
+    """prepare.sources is the one name of the prompt files: the old data.* keys say so in one line."""
+    assert "data" not in yaml.safe_load(committed_params()) and "data" not in compose([], root=REPO)
+    from drafter_data.config import load
+    from drafter_data.errors import StageError
+    with pytest.raises(StageError, match=r"^data.sources=\[\]: data.sources and data.sample are now prepare.sources"):
+        load(["data.sources=[]"])
+    params = yaml.safe_load(committed_params())
+    params["data"] = {"sources": params["prepare"]["sources"], "sample": None}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    proc = stage_in(tmp_path)
+    assert proc.returncode == 1 and "are now prepare.sources and prepare.sample" in proc.stderr
+
+
 def test_groups_compose_and_override():
-    cfg = compose(["target=kimi-k2.6", "server=remote", "generation.thinking=false", "prepare.sample=5"], root=REPO)
+    cfg = compose(["target=kimi-k2.6", "server=remote", "generation.thinking=false", "prepare.sample=5",
+                   "prepare.sources=[{name: mine, path: /data/prompts.jsonl}]"], root=REPO)
     assert cfg.target.name == "kimi-k2.6" and cfg.target.thinking_kwarg == "thinking"
     assert cfg.target.template_kwargs.preserve_thinking is True
     assert cfg.server.kind == "remote" and cfg.generation.thinking is False and cfg.prepare.sample == 5
+    assert [(s.name, s.path, s.format) for s in cfg.prepare.sources] == [("mine", "/data/prompts.jsonl", "auto")]
 
 
 def test_experiment_bundle_overrides_groups():
