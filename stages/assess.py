@@ -18,7 +18,7 @@ import numpy as np
 
 from drafter_data.assessment.measure import (answer_share, completion_bytes_per_token, measure_level,
                                              prompt_source, summarize)
-from drafter_data.assessment.projection import project, what_if
+from drafter_data.assessment.projection import caveat, project, what_if
 from drafter_data.assessment.report import plot, report
 from drafter_data.config import run_stage
 from drafter_data.errors import StageError
@@ -45,7 +45,7 @@ def main(cfg) -> int:
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         (out_dir / "report.md").write_text(report(metrics, spec.model, spec.thinking))
         pngs = plot(metrics["levels"], out_dir)
-        print_projection(metrics["projection"], out_dir)
+        print_projection(metrics["projection"], out_dir, metrics["caveat"])
         log_run(run, metrics, [out_dir / "metrics.json", out_dir / "report.md", *pngs])
     return 0
 
@@ -80,13 +80,17 @@ async def assess(cfg, spec: RequestSpec, url: str) -> dict:
                          "completion_bytes_per_token": kw["completion_bytes_per_token"],
                          "answer_share": share, "thinking": spec.thinking},
             # which server this describes: generate compares its own rate with this one only for the same server
-            "server": {"kind": str(cfg.server.get("kind")), "model": spec.model, "url": redact_url(url)}}
+            "server": {"kind": str(cfg.server.get("kind")), "model": spec.model, "url": redact_url(url)},
+            # None, or why these figures do not predict the real job (the embedded toy server, another model)
+            "caveat": caveat(str(cfg.server.get("kind")), spec.model, str(cfg.target.name))}
 
 
-def print_projection(p: dict, out_dir: Path) -> None:
+def print_projection(p: dict, out_dir: Path, warning: str | None = None) -> None:
     print(f"projection: {p['completions']:,} x {p['tokens_per_completion']:,.0f} tokens at "
           f"{p['output_tokens_per_s']:.1f} tok/s = {p['hours']:,.1f} h ({p['days']:,.1f} days), "
           f"{p['storage_gb']:,.1f} GB; report in {out_dir / 'report.md'}", file=sys.stderr)
+    if warning:
+        print(f"NOT A PROJECTION OF THE REAL JOB: {warning}", file=sys.stderr)
 
 
 def log_run(run, metrics: dict, artifacts: list[Path]) -> None:

@@ -25,8 +25,10 @@ def plot(levels: list[dict], out_dir: Path) -> list[Path]:
 
 def report(metrics: dict, model: str, thinking: bool) -> str:
     p = metrics["projection"]
-    lines = [f"# Server assessment: {model} ({'thinking on' if thinking else 'thinking off'})",
-             "", f"Best level: **{metrics['best']['concurrency']} concurrent requests, "
+    warning = metrics.get("caveat")
+    lines = [f"# Server assessment: {model} ({'thinking on' if thinking else 'thinking off'})", "",
+             *([f"> **Not a projection of the real job.** {warning}.", ""] if warning else []),
+             f"Best level: **{metrics['best']['concurrency']} concurrent requests, "
              f"{metrics['best']['output_tokens_per_s']:.1f} output tok/s**.", "",
              f"The job, {p['completions']:,} completions x {p['tokens_per_completion']:,.0f} tokens, takes "
              f"**{p['hours']:,.1f} hours ({p['days']:,.1f} days)** at that rate and needs about "
