@@ -1,7 +1,7 @@
 """MLflow across the pipeline: one experiment, one run per stage execution, traceable to code, data and invocation.
 
-Each run is named `<stage> · <target> · thinking=<on|off|mix>`, starts when its stage's process started (so the UI's
-duration is the stage's), and is tagged `stage`, `target`, `pipeline_run` (one id shared by the stage runs of one
+Each run is named `thinking=<on|off|mix> · <stage> · <target>` (what tells runs apart first: the UI cuts long names),
+starts when its stage's process started (so the UI's duration is the stage's), and is tagged `stage`, `target`, `pipeline_run` (one id shared by the stage runs of one
 `dvc repro` / `dvc exp run`), `dvc_exp` under `dvc exp run`, the git commit and the DVC hashes of its data inputs.
 Params are the stage's resolved config, flattened; secrets never: keys named like secrets are left out, URLs lose
 their user:password, and the API key appears only as the *name* of its environment variable.
@@ -89,7 +89,8 @@ def target_name(cfg: DictConfig) -> str:
 
 
 def run_name(stage: str, cfg: DictConfig) -> str:
-    return f"{stage} · {target_name(cfg)} · thinking={thinking_label(cfg)}"
+    """What tells two runs apart first (the runs table cuts names): thinking=on · generate · kimi-k2.6."""
+    return f"thinking={thinking_label(cfg)} · {stage} · {target_name(cfg)}"
 
 
 def _is_dvc_invocation(cmdline: list[str]) -> bool:

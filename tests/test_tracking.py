@@ -96,7 +96,7 @@ def test_a_stage_run_is_found_with_params_metrics_tags_and_artifacts(run_stage, 
     params = {p["key"]: p["value"] for p in run["data"]["params"]}
     metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
     tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
-    assert run["info"]["run_name"] == "generate · gemma3-270m · thinking=on"
+    assert run["info"]["run_name"] == "thinking=on · generate · gemma3-270m"
     assert params["server.model"] == "fake-model" and params["generation.thinking"] == "True"
     assert params["server.api_key_env"] == "MY_KEY" and params["server.base_url"] == server.url
     assert params["mlflow.tracking_uri"] == mlflow_server
@@ -135,9 +135,17 @@ def cfg(**generation):
 
 
 def test_run_names_say_stage_target_and_thinking_mode():
-    assert tracking.run_name("generate", cfg()) == "generate · kimi-k2.6 · thinking=on"
-    assert tracking.run_name("assess", cfg(thinking=False)) == "assess · kimi-k2.6 · thinking=off"
-    assert tracking.run_name("tokenize", cfg(thinking_ratio=0.5)) == "tokenize · kimi-k2.6 · thinking=mix"
+    assert tracking.run_name("generate", cfg()) == "thinking=on · generate · kimi-k2.6"
+    assert tracking.run_name("assess", cfg(thinking=False)) == "thinking=off · assess · kimi-k2.6"
+    assert tracking.run_name("tokenize", cfg(thinking_ratio=0.5)) == "thinking=mix · tokenize · kimi-k2.6"
+
+
+def test_pipeline_run_is_a_tag_beside_stage_and_thinking(monkeypatch):
+    """The runs table shows tags as columns (and groups by them): pipeline_run is one, as stage and thinking are."""
+    monkeypatch.setenv("PIPELINE_RUN_ID", "pr-tags-1")
+    tags = tracking.run_tags("generate", cfg(thinking=False))
+    assert {k: tags[k] for k in ("stage", "target", "thinking", "pipeline_run")} == {
+        "stage": "generate", "target": "kimi-k2.6", "thinking": "off", "pipeline_run": "pr-tags-1"}
 
 
 def test_credentials_are_stripped_from_logged_urls():
@@ -222,7 +230,7 @@ def log_pipeline_run(client, exp_id: str, pipeline_run: str, thinking: str, star
     """Stage runs of one pipeline run, as the stages log them (names, tags, params, metrics)."""
     for i, (stage, metrics) in enumerate(figures.items()):
         start_ms = int((start_s + 60 * i) * 1000)
-        run = client.create_run(exp_id, start_time=start_ms, run_name=f"{stage} · t · thinking={thinking}",
+        run = client.create_run(exp_id, start_time=start_ms, run_name=f"thinking={thinking} · {stage} · t",
                                 tags={"stage": stage, "pipeline_run": pipeline_run, "thinking": thinking,
                                       "target": "t"})
         client.log_param(run.info.run_id, "server.base_url", "['http://gpu-1:30000/v1', 'http://gpu-2:30000/v1']")
@@ -310,7 +318,7 @@ def test_a_stage_that_fails_leaves_a_failed_run_that_started_with_its_process(ml
     # that a pipeline's stage runs, one process after another, do not overlap)
     assert abs(logged.info.start_time - psutil.Process().create_time() * 1000) < 1100
     assert logged.info.start_time < entered_ms
-    assert logged.info.run_name == "tokenize · kimi-k2.6 · thinking=on"
+    assert logged.info.run_name == "thinking=on · tokenize · kimi-k2.6"
 
 
 @pytest.mark.parametrize("how", ["Ctrl-C", "a stage that ends by itself after a signal"])
