@@ -129,7 +129,7 @@ def test_the_stage_runs_of_one_exp_run_share_a_pipeline_run_and_their_real_times
     runs = client.search_runs([exp.experiment_id], f"tags.dvc_exp = '{pipeline_repo['exp_name']}'")
     by_stage = {r.data.tags["stage"]: r for r in runs}
     assert sorted(by_stage) == sorted(STAGES) and len(runs) == 4
-    assert {r.info.run_name for r in runs} == {f"{s} · gemma3-270m · thinking=on" for s in STAGES}
+    assert {r.info.run_name for r in runs} == {f"thinking=on · {s} · gemma3-270m" for s in STAGES}
     assert len({r.data.tags["pipeline_run"] for r in runs}) == 1
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}", runs[0].data.tags["pipeline_run"])
     assert all(r.data.tags["target"] == "gemma3-270m" and r.info.status == "FINISHED" for r in runs)
