@@ -1,36 +1,27 @@
 """Kimi K2.5/K2.6 tool declarations: the TypeScript-style text the chat template receives as `tools_ts_str`.
 
 The reference tokenizer sorts the keys of the OpenAI tool list recursively, then converts it (Moonshot's
-`tool_declaration_ts.encode_tools_to_typescript_style`, published with K2.5). This module reproduces that text
-byte for byte. Layout, for `[{"type": "function", "function": {"name", "description", "parameters"}}]`:
+`tool_declaration_ts.encode_tools_to_typescript_style`, published with K2.5); this module reproduces that text byte
+for byte. For `[{"type": "function", "function": {"name", "description", "parameters"}}]`:
 
     # Tools
     <blank line>
     ## functions
     namespace functions {
-    // A postal address                  <- each `$defs` entry: its description, then
-    interface Address {                  <-   `interface Name <type>` (any type, e.g. `interface Size "S" | "M"`)
-      city: string,
-      zip?: string
-    }
-    // Ship a parcel.                    <- the function description, one `// ` line per line ('' lines stay empty)
-    type ship_parcel = (_: {             <- the parameters object
-      recipient: Address,                <- required fields first, then optional `name?:`, each group by name
-      // Tracking note                   <- a field's description lines, then one line of its constraints
-      // maxLength: 80, minLength: 1     <-   (sorted `key: value`, joined by ", "), then `// Default: ...`
-      // Default: "none"
+    // A postal address                  <- each `$defs` entry: its description, then `interface Name <type>`
+    interface Address { city: string, zip?: string }   (one field a line in the real text)
+    // Ship a parcel.                    <- the function description, one `// ` line per line
+    type ship_parcel = (_: {             <- the parameters: required fields first, then optional `name?:`, by name
+      recipient: Address,
+      // Tracking note                   <- a field's description, its sorted constraints, then `// Default: ...`
+      // maxLength: 80, minLength: 1
       note?: string
     }) => any;
     }                                    <- then a final newline
 
-Types: string/number/boolean/null and unknown type names as written, integer -> number, {} / true -> any,
-false -> null; `enum` -> `"a" | 1 | True | None` (strings quoted, others as Python str); `anyOf` and type lists
--> ` | `; arrays -> `Array<T>` (split over lines when the item has a description or constraints); objects ->
-`{...}` with two-space indents, `[k: string]: T` last for additionalProperties (any for true, never for false);
-`$ref: "#/$defs/X"` -> `X`; `$ref: "#"` -> `parameters`, and the parameters become `interface parameters {...}`.
-Tools of other types are skipped. A schema the reference cannot convert (a field without a type, an unknown ref
-form, an enum value of the wrong type, ...) makes it raise; the reference then passes no `tools_ts_str` and the
-template writes the tools as compact JSON, so `tools_ts_str` returns None.
+Types are TypeScript's (integer -> number, enum / anyOf / type lists -> ` | `, arrays -> `Array<T>`, `$ref` -> the
+def's name, additionalProperties -> `[k: string]: T` last); tools of other types are skipped. A schema the reference
+cannot convert makes it fall back to compact JSON in the template: `tools_ts_str` then returns None.
 """
 from __future__ import annotations
 
@@ -130,6 +121,13 @@ class _Context:
                 self.defs[name] = schema
 
     def parse(self, schema) -> _Type:
+        """A schema as the reference types it: string/number/boolean/null and unknown type names as written,
+        integer -> number, {} / true -> any, false -> null; `enum` -> `"a" | 1 | True | None` (strings quoted,
+        others as Python str); `anyOf` and type lists -> ` | `; arrays -> `Array<T>` (split over lines when the item
+        has a description or constraints); objects -> `{...}` with two-space indents, `[k: string]: T` last for
+        additionalProperties (any for true, never for false); `$ref: "#/$defs/X"` -> `X`; `$ref: "#"` ->
+        `parameters`, and the parameters become `interface parameters {...}`. What the reference cannot convert (a
+        field without a type, an unknown ref form, an enum value of the wrong type, ...) raises ValueError."""
         if isinstance(schema, bool):
             return _Scalar("any" if schema else "null")
         if not isinstance(schema, dict):
