@@ -206,7 +206,7 @@ def register() -> None:
 def typed(plain) -> Any:
     """A loaded params.yaml (a DictConfig) merged onto the schema: wrong types, unknown and missing keys refused."""
     if "data" in plain:
-        raise StageError(RENAMED + " (an older params.yaml? recompose it: python scripts/compose_params.py)")
+        raise StageError(f"{RENAMED} (an older params.yaml? recompose it: python scripts/compose_params.py)")
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), plain)
         missing = sorted(OmegaConf.missing_keys(cfg)) + _absent(plain, Config, "")
