@@ -153,6 +153,20 @@ class Assess:
     completion_tokens: int = ranged(2000, **POSITIVE)
 
 
+DEGENERATE_KINDS = ("loop", "empty_reasoning", "empty_answer")
+
+
+@dataclass
+class Export:
+    input: str = MISSING
+    completions: str = MISSING
+    output: str = MISSING
+    trainer: str = ranged("eagle3", choices=("eagle3", "dflash"))
+    drop: List[str] = field(default_factory=list)  # kinds of DEGENERATE_KINDS: checked in `check`
+    max_length: int = ranged(16384, **POSITIVE)
+    batch_rows: int = ranged(1024, **POSITIVE)
+
+
 @dataclass
 class Mlflow:
     tracking_uri: Optional[str] = None
@@ -169,6 +183,7 @@ class Config:
     generate: Generate = field(default_factory=Generate)
     tokenize: Tokenize = field(default_factory=Tokenize)
     assess: Assess = field(default_factory=Assess)
+    export: Export = field(default_factory=Export)
     mlflow: Mlflow = field(default_factory=Mlflow)
 
 
@@ -229,6 +244,10 @@ def check(cfg) -> None:
     if extra is not None and not OmegaConf.is_dict(extra):
         problems.append(f"tokenize.template_kwargs={extra!r}: give a mapping of kwargs, e.g. {{preserve_thinking: "
                         f"true}}, or null")
+    unknown = [kind for kind in cfg.export.drop if kind not in DEGENERATE_KINDS]
+    if unknown:
+        problems.append(f"export.drop={list(cfg.export.drop)}: {unknown[0]!r} is not a kind of degenerate answer; "
+                        f"choose from {', '.join(DEGENERATE_KINDS)}")
     if cfg.server.kind == "local" and cfg.server.local is None:
         problems.append("server.local: server.kind=local needs its settings (server=local)")
     if problems:
