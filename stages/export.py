@@ -60,7 +60,7 @@ def main(cfg) -> int:
                          f"target={cfg.target.name}")
     protected = {"the tokens": tokens_dir, "the completions": completions_dir, "the repo": REPO}
     with StagedOutputDir(out, "export.output", protected, MARKERS) as staged, tokenizer(cfg, meta) as conv:
-        index = CompletionIndex(completion_paths, default_thinking=meta.get("thinking") is not False)
+        index = CompletionIndex(completion_paths, meta.get("thinking") is not False, int(ecfg.batch_rows))
         with stage_run("export", cfg) as run:
             result = export_rows(token_paths, index, conv, staged.path, ecfg.trainer, tuple(ecfg.drop),
                                  int(ecfg.max_length), int(ecfg.batch_rows), stop_if_terminated)

@@ -2,15 +2,14 @@
 made from (the same ones, by meta.json's digest), each problem one line naming the file.
 
 The completions are looked up by (prompt_id, turn) through a sorted index of 8-byte key hashes (16 bytes a row with
-its position), one row group at a time: export follows the tokens' order, which for tokenize.rows=per_turn is the
-completions' own order, so a row group is read once.
+its position), a batch at a time: export follows the tokens' order, which for tokenize.rows=per_turn is the
+completions' own order, so each batch is read once and one is held.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from array import array
-from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -122,44 +121,48 @@ class Completion:
 
 class CompletionIndex:
     """(prompt_id, turn) -> its completions row. Copies of a row are read once (the first, as tokenize reads them);
-    two different rows for one (prompt_id, turn) are refused (repeated_rows)."""
+    two different rows for one (prompt_id, turn) are refused (repeated_rows).
 
-    def __init__(self, paths: list[Path], default_thinking: bool, cache_groups: int = 4):
-        self.paths, self.default_thinking, self.cache_groups = paths, default_thinking, cache_groups
+    Rows are read a batch of `batch_rows` at a time through one cursor: lookups in the completions' order (the tokens'
+    order with tokenize.rows=per_turn) read each batch once and hold one; a lookup behind the cursor (rows=conversation,
+    whose tokens are grouped by conversation) reads its file again from the start up to that row."""
+
+    def __init__(self, paths: list[Path], default_thinking: bool, batch_rows: int = 1024):
+        self.paths, self.default_thinking, self.batch_rows = paths, default_thinking, batch_rows
         with reading(paths[0].parent, "the completions in"):
             skips = repeated_rows(paths, "export.completions")
         self.duplicates = sum(len(s) for s in skips.values())
-        hashes, where = array("Q"), array("i")  # 20 bytes a row, not a Python object
+        hashes, where = array("Q"), array("i")  # 16 bytes a row, not a Python object
         for n, path in enumerate(paths):
             with reading(path, "the completions shard"):
                 file = pq.ParquetFile(path)
                 turn_col = "turn" in file.schema_arrow.names
                 skip = set(skips.get(str(path), np.empty(0, np.int64)).tolist())
                 row = 0
-                for rg in range(file.metadata.num_row_groups):
-                    table = file.read_row_group(rg, columns=["prompt_id", *(["turn"] if turn_col else [])],
-                                                use_threads=False)
-                    ids = table.column("prompt_id").to_pylist()
-                    turns = table.column("turn").to_pylist() if turn_col else [0] * len(ids)
+                for batch in file.iter_batches(batch_size=65536, columns=["prompt_id", *(["turn"] * turn_col)],
+                                               use_threads=False):
+                    ids = batch.column("prompt_id").to_pylist()
+                    turns = batch.column("turn").to_pylist() if turn_col else [0] * len(ids)
                     for i, (pid, turn) in enumerate(zip(ids, turns)):
                         if row + i not in skip:
                             hashes.append(key_hash(pid, turn or 0))
-                            where.extend((n, rg, i))
+                            where.extend((n, row + i))
                     row += len(ids)
         self.rows = len(hashes)
         keys = np.frombuffer(hashes, dtype=np.uint64) if hashes else np.empty(0, np.uint64)
         order = np.argsort(keys, kind="stable")
         self.hashes = keys[order]
-        self.where = (np.frombuffer(where, dtype=np.int32) if where else np.empty(0, np.int32)).reshape(-1, 3)[order]
-        self.groups: OrderedDict = OrderedDict()
+        self.where = (np.frombuffer(where, dtype=np.int32) if where else np.empty(0, np.int32)).reshape(-1, 2)[order]
         self.used = 0
+        self.restarts = 0  # lookups behind the cursor (each reads a file again up to the row)
+        self._file, self._batches, self._start, self._end, self._rows = -1, None, 0, 0, None
 
     def get(self, prompt_id: str, turn: int) -> Completion:
         h = np.uint64(key_hash(prompt_id, turn))
         at = int(np.searchsorted(self.hashes, h))
         while at < len(self.hashes) and self.hashes[at] == h:
-            n, rg, i = (int(x) for x in self.where[at])
-            found = self.group(n, rg)[i]
+            n, row = (int(x) for x in self.where[at])
+            found = self.row(n, row)
             if found.turn.prompt_id == prompt_id and found.turn.turn == turn:
                 self.used += 1
                 return found
@@ -167,22 +170,24 @@ class CompletionIndex:
         raise StageError(f"the tokens hold prompt {prompt_id} turn {turn}, which the completions in "
                          f"{self.paths[0].parent} lack; run tokenize on them again")
 
-    def group(self, n: int, rg: int) -> list[Completion]:
-        key = (n, rg)
-        if key in self.groups:
-            self.groups.move_to_end(key)
-            return self.groups[key]
+    def row(self, n: int, row: int) -> Completion:
         path = self.paths[n]
         with reading(path, "the completions shard"):
-            file = pq.ParquetFile(path)
-            table = file.read_row_group(rg, use_threads=False)
-        turns = []
-        for batch in table.to_batches(max_chunksize=max(1, table.num_rows)):
-            turns += turns_from_batch(batch, self.default_thinking)
-        extras = {c: table.column(c).to_pylist() if c in table.column_names else [None] * table.num_rows
+            if n != self._file or row < self._start:
+                if n == self._file:
+                    self.restarts += 1
+                self._file, self._start, self._end, self._rows = n, 0, 0, None
+                self._batches = pq.ParquetFile(path).iter_batches(batch_size=self.batch_rows, use_threads=False)
+            while row >= self._end:
+                batch = next(self._batches)
+                self._start, self._end, self._batch, self._rows = self._end, self._end + batch.num_rows, batch, None
+            if self._rows is None:
+                self._rows = self.completions(self._batch)
+        return self._rows[row - self._start]
+
+    def completions(self, batch: pa.RecordBatch) -> list[Completion]:
+        turns = turns_from_batch(batch, self.default_thinking)
+        names = batch.schema.names
+        extras = {c: batch.column(c).to_pylist() if c in names else [None] * batch.num_rows
                   for c in EXTRA_COLUMNS + ("finish_reason", "length_stop_in")}
-        rows = [Completion(t, {c: extras[c][i] for c in extras}) for i, t in enumerate(turns)]
-        self.groups[key] = rows
-        while len(self.groups) > self.cache_groups:
-            self.groups.popitem(last=False)
-        return rows
+        return [Completion(t, {c: extras[c][i] for c in extras}) for i, t in enumerate(turns)]

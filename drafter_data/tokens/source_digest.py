@@ -19,7 +19,7 @@ COLUMNS = ("prompt_id", "turn", "request_key", "finish_reason", "reasoning", "co
 DIGEST_KEY = "completions_request_keys_sha256"
 
 
-def completions_digest(paths: list[Path], batch_rows: int = 4096) -> str:
+def completions_digest(paths: list[Path], batch_rows: int = 1024) -> str:
     """sha256 over the sorted, distinct 16-byte digests of each row's request key and answer (16 bytes a row held)."""
     digests = bytearray()
     for path in paths:
