@@ -154,8 +154,9 @@ def test_card_header_is_a_dataset_card_that_finds_the_files(made, tmp_path):
     info = {i["config_name"]: i for i in header["dataset_info"]}
     first = lines(out / "pretokenized.jsonl")[0]
     assert [f["name"] for f in info["pretokenized"]["features"]] == list(first)
-    assert info["pretokenized"]["splits"] == [{"name": "train", "num_examples": 9}]
-    assert info["conversations"]["splits"] == [{"name": "train", "num_examples": 9}]
+    for config, name in (("pretokenized", "pretokenized.jsonl"), ("conversations", "conversations.jsonl")):
+        assert info[config]["splits"] == [{"name": "train", "num_bytes": (out / name).stat().st_size,
+                                           "num_examples": 9}]
 
 
 def test_drops_are_counted_once_and_everything_adds_up(made, tmp_path):

@@ -25,7 +25,8 @@ def size_category(n: int) -> str:
     return "10M<n<100M"
 
 
-def header(summary: dict, meta: dict) -> dict:
+def header(summary: dict, meta: dict, sizes: dict[str, int]) -> dict:
+    """sizes: bytes of each data file (`datasets` reads a split's num_bytes with its num_examples)."""
     rows = summary["rows_out"]
     return {
         "pretty_name": f"{meta['target']} drafter training data (drafter-data)",
@@ -40,8 +41,9 @@ def header(summary: dict, meta: dict) -> dict:
             {"config_name": "pretokenized",
              "features": [{"name": "id", "dtype": "string"}, {"name": "input_ids", "sequence": "int64"},
                           {"name": "loss_mask", "sequence": "int64"}],
-             "splits": [{"name": "train", "num_examples": rows[PRETOKENIZED]}]},
-            {"config_name": "conversations", "splits": [{"name": "train", "num_examples": rows[CONVERSATIONS]}]},
+             "splits": [{"name": "train", "num_bytes": sizes[PRETOKENIZED], "num_examples": rows[PRETOKENIZED]}]},
+            {"config_name": "conversations",
+             "splits": [{"name": "train", "num_bytes": sizes[CONVERSATIONS], "num_examples": rows[CONVERSATIONS]}]},
         ],
     }
 
@@ -87,11 +89,12 @@ def write_card(path: Path, summary: dict, meta: dict, inputs: dict[str, str]) ->
     tok = meta["tokenizer"]
     drift = meta.get("drift", {})
     ex = summary["exact"]
-    lines = ["---", yaml.safe_dump(header(summary, meta), sort_keys=False).rstrip(), "---", "",
+    sizes = {name: (path.parent / name).stat().st_size for name in (PRETOKENIZED, CONVERSATIONS)}
+    lines = ["---", yaml.safe_dump(header(summary, meta, sizes), sort_keys=False).rstrip(), "---", "",
              f"# {meta['target']}: drafter training data made by the target itself", "",
              f"{summary['rows_in']} training rows of the target's own answers (thinking "
              f"{meta.get('thinking')}), with the exact tokens it saw and produced and the loss over what it produced. "
-             f"Made by [drafter-data](https://github.com/) (`dvc repro`, stage `export`).", "",
+             f"Made by drafter-data (`dvc repro`, stage `export`).", "",
              "## Files", ""]
     lines += _table(["file", "rows", "for"], [
         [f"`{PRETOKENIZED}`", rows_out[PRETOKENIZED],
