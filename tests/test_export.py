@@ -344,3 +344,28 @@ def test_the_templates_default_system_message_is_written_out(tmp_path):
     assert with_system(own, system.text(True)) == own
     _, kimi = kimi_conv()
     assert SystemDefault(kimi).text(True) is None
+
+
+def test_the_completions_digest_is_of_the_rows_not_their_layout(made, tmp_path):
+    """The same rows in other shards, another order, or with copies: the same digest; one answer changed, or the same
+    request answered again with another answer (same request key): another digest."""
+    from drafter_data.tokens.source_digest import completions_digest
+
+    base, completions, tokens, env = made
+    table = pq.read_table(next(completions.glob("*.parquet")))
+    table = table.append_column("request_key", pa.array([f"key{i}" for i in range(table.num_rows)]))
+    (tmp_path / "a").mkdir()
+    pq.write_table(table, tmp_path / "a" / "c-0.parquet")
+    digest = completions_digest([tmp_path / "a" / "c-0.parquet"])
+    (tmp_path / "b").mkdir()
+    pq.write_table(table.slice(5).take([3, 2, 1, 0]), tmp_path / "b" / "c-0.parquet")
+    pq.write_table(table.slice(0, 6), tmp_path / "b" / "c-1.parquet")  # row 5 twice
+    assert completions_digest(sorted((tmp_path / "b").glob("*.parquet"))) == digest
+    content = table.column("content").to_pylist()
+    content[2] = "Another answer to the same request."
+    (tmp_path / "c").mkdir()
+    pq.write_table(table.set_column(table.schema.get_field_index("content"), "content", pa.array(content)),
+                   tmp_path / "c" / "c-0.parquet")
+    assert completions_digest([tmp_path / "c" / "c-0.parquet"]) != digest
+    assert json.loads((tokens / "meta.json").read_text())["completions_request_keys_sha256"] == \
+        completions_digest([next(completions.glob("*.parquet"))])
