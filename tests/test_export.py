@@ -369,3 +369,38 @@ def test_the_completions_digest_is_of_the_rows_not_their_layout(made, tmp_path):
     assert completions_digest([tmp_path / "c" / "c-0.parquet"]) != digest
     assert json.loads((tokens / "meta.json").read_text())["completions_request_keys_sha256"] == \
         completions_digest([next(completions.glob("*.parquet"))])
+
+
+def test_multi_turn_rows_per_turn_and_per_conversation(tmp_path, mlflow_uri):
+    """Two conversations of two turns: per_turn gives a line per turn (turns per conversation counted), conversation
+    rows (grouped by conversation, read out of the completions' order) a line per conversation, both exact."""
+    rows = []
+    for c in ("convA", "convB"):
+        first = [{"role": "user", "content": f"{c}: name a colour."}]
+        answer0 = {"role": "assistant", "content": "Blue.", "reasoning_content": "Any colour."}
+        second = [*first, answer0, {"role": "user", "content": "And another one?"}]
+        rows.append(completion_row(c, first + [answer0], turn=0, thinking=True, source="multi"))
+        rows.append(completion_row(c, second + [{"role": "assistant", "content": "Red.",
+                                                 "reasoning_content": "Another."}], turn=1, thinking=True,
+                                   source="multi"))
+    rows = rows[1::2] + rows[0::2]  # turn 1 rows first: the conversation rows' order is not the completions'
+    completions = write_completions(tmp_path / "completions", rows)
+    env = {"MLFLOW_TRACKING_URI": mlflow_uri}
+    for mode in ("per_turn", "conversation"):
+        tokens, out = tmp_path / f"tokens-{mode}", tmp_path / f"export-{mode}"
+        proc = run([*kimi_overrides(completions, tokens), f"tokenize.rows={mode}"], env, "tokenize")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        proc = run(export_overrides(tokens, completions, out), env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        convs = lines(out / "conversations.jsonl")
+        summary = json.loads((out / "summary.json").read_text())
+        pre = lines(out / "pretokenized.jsonl")
+        assert [r["input_ids"] for r in pre] == [r["input_ids"] for r in read_rows(tokens, "tokens-")]
+        assert all(c["exact"] for c in convs), [c["id"] for c in convs if not c["exact"]]
+        if mode == "per_turn":
+            assert sorted(c["id"] for c in convs) == ["convA#turn0", "convA#turn1", "convB#turn0", "convB#turn1"]
+            assert summary["turn_rows"] == {"0": 2, "1": 2}
+        else:
+            assert sorted(c["id"] for c in convs) == ["convA#turn1", "convB#turn1"]
+            assert [m["role"] for m in convs[0]["messages"]] == ["user", "assistant", "user", "assistant"]
+            assert summary["completions"]["without_a_row_of_their_own"] == 2
