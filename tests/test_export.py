@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -308,16 +309,20 @@ def test_config_keys_are_checked(made, tmp_path):
 def test_degenerate_kinds():
     from drafter_data.tokens.turns import Turn
 
-    def turn(content, reasoning="Thinking it over.", thinking=True, finish="stop", calls=None):
-        return Turn("p", 0, [], None, thinking, reasoning, content, calls, finish)
+    tok, _ = kimi_conv()
 
-    assert degenerate.kinds(turn(LOOP)) == ["loop"]
-    assert degenerate.kinds(turn(" ".join(f"word{i}" for i in range(200)))) == []
-    assert degenerate.kinds(turn("Fine.", reasoning="")) == ["empty_reasoning"]
-    assert degenerate.kinds(turn("Fine.", reasoning=None, thinking=False)) == []
-    assert degenerate.kinds(turn("  ")) == ["empty_answer"]
-    assert degenerate.kinds(turn("", calls=[{"id": "1"}], finish="tool_calls")) == []
-    assert degenerate.kinds(turn("", finish="length")) == []
+    def kinds(content, reasoning="Thinking it over.", thinking=True, finish="stop", calls=None):
+        ids = np.array(tok.encode(f"{reasoning or ''}{content}"), dtype=np.int32)
+        return degenerate.kinds(Turn("p", 0, [], None, thinking, reasoning, content, calls, finish), ids)
+
+    assert kinds(LOOP) == ["loop"]
+    assert kinds("<conclusion>\n" * 40) == ["loop"]  # a tag repeated: few words, many tokens
+    assert kinds(" ".join(f"word{i}" for i in range(200))) == []
+    assert kinds("Fine.", reasoning="") == ["empty_reasoning"]
+    assert kinds("Fine.", reasoning=None, thinking=False) == []
+    assert kinds("  ") == ["empty_answer"]
+    assert kinds("", calls=[{"id": "1"}], finish="tool_calls") == []
+    assert kinds("", finish="length") == []
 
 
 def test_the_templates_default_system_message_is_written_out(tmp_path):

@@ -110,7 +110,7 @@ def export_rows(token_paths: list[Path], index: CompletionIndex, conv, out_dir: 
             for pid, turn_no, ids, mask in zip(prompt_ids, turns, all_ids, all_masks):
                 result.rows_in += 1
                 completion = index.get(pid, turn_no or 0)
-                kinds = degenerate.kinds(completion.turn)
+                kinds = degenerate.kinds(completion.turn, ids[mask != 0])
                 result.degenerate.update(kinds)
                 left_out = next((f"degenerate.{k}" for k in kinds if k in drop), None)
                 line_exact = False
