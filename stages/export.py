@@ -65,7 +65,6 @@ def main(cfg) -> int:
             result = export_rows(token_paths, index, conv, staged.path, ecfg.trainer, tuple(ecfg.drop),
                                  int(ecfg.max_length), int(ecfg.batch_rows), stop_if_terminated)
             info = summary(result, index, ecfg.trainer, tuple(ecfg.drop), int(ecfg.max_length), digest)
-            print(summary_line(info, staged.path), file=sys.stderr)
             if not result.pretokenized:
                 raise StageError(f"export left no pre-tokenized row of {result.rows_in} "
                                  f"(left out: {info['filtered'] or 'none'}); nothing put in place")
@@ -75,6 +74,7 @@ def main(cfg) -> int:
                                                                 "completions": str(ecfg.completions)})
             stop_if_terminated()
             out_dir = staged.commit()
+            print(summary_line(info, out_dir), file=sys.stderr)
             log_run(run, info, out_dir, pngs)
     return 0
 

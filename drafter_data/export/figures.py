@@ -30,7 +30,7 @@ def draw(result: Result, out_dir: Path, drift: dict) -> list[Path]:
     fig = result.figures
     sources = sorted(fig.by_source)
     paths = [out_dir / name for name in FILES]
-    height = max(2.5, 0.45 * len(sources) + 1.5)
+    height = max(3.0, 0.45 * len(sources) + 2.0)
 
     with png_figure(paths[0], size=(7, height)) as ax:
         on = [fig.by_source[s]["thinking_on"] for s in sources]
@@ -55,7 +55,7 @@ def draw(result: Result, out_dir: Path, drift: dict) -> list[Path]:
         ax.set_xlim(0, 1)
         ax.set_xlabel("share of the source's rows")
         ax.set_title("is the prompt mix right for this target? (per source)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
 
     with png_figure(paths[2]) as ax:
         turns = sorted(fig.turn_rows)
