@@ -149,7 +149,7 @@ def write_card(path: Path, summary: dict, meta: dict, inputs: dict[str, str]) ->
                                                             for m in summary["models"])],
         ["sampling (dvc.lock, generate)", ", ".join(f"{k}={v}" for k, v in gen.items()) or "not recorded"],
         ["git commit", git_commit() or "unknown"],
-        *[[f"dvc.lock md5 of {p}", outs.get(p) or "not recorded"] for p in inputs.values()],
+        *[[f"{p}: md5 in dvc.lock (this data under `dvc repro`)", outs.get(p) or "not recorded"] for p in inputs.values()],
         ["completions digest", summary["completions_request_keys_sha256"]],
     ])
     lines.append("")
