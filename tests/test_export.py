@@ -409,3 +409,24 @@ def test_multi_turn_rows_per_turn_and_per_conversation(tmp_path, mlflow_uri):
             assert sorted(c["id"] for c in convs) == ["convA#turn1", "convB#turn1"]
             assert [m["role"] for m in convs[0]["messages"]] == ["user", "assistant", "user", "assistant"]
             assert summary["completions"]["without_a_row_of_their_own"] == 2
+
+
+def test_the_cards_input_md5_is_dvcs(made, tmp_path):
+    """The card names its inputs by the md5 DVC records for them (and takes generate's sampling params from
+    dvc.lock only when dvc.lock records these very completions): the same md5 as `dvc add` computes."""
+    from drafter_data.export.card import dvc_dir_md5
+
+    base, completions, tokens, env = made
+    copy = tmp_path / "tokens"
+    copy.mkdir()
+    for path in tokens.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    dvc = [str(Path(sys.executable).parent / "dvc")]
+    assert subprocess.run([*dvc, "init", "--no-scm", "-q"], cwd=tmp_path).returncode == 0
+    assert subprocess.run([*dvc, "add", "-q", "tokens"], cwd=tmp_path, capture_output=True).returncode == 0
+    recorded = yaml.safe_load((tmp_path / "tokens.dvc").read_text())["outs"][0]["md5"]
+    assert dvc_dir_md5(copy) == recorded and recorded.endswith(".dir")
+    out = tmp_path / "export"
+    assert run(export_overrides(tokens, completions, out), env).returncode == 0
+    card = (out / "README.md").read_text()
+    assert f"{dvc_dir_md5(tokens)} (not in dvc.lock)" in card and "not recorded for these completions" in card

@@ -72,6 +72,26 @@ def lock_record(lock_path: Path = Path("dvc.lock")) -> dict:
     return {"generation": {k: generation[k] for k in GENERATION_KEYS if k in generation}, "outs": outs}
 
 
+def dvc_dir_md5(directory: Path) -> str | None:
+    """The md5 DVC records for a directory output (dvc-data's Tree.digest: md5 of the sorted JSON list of each file's
+    md5 and relative path, plus ".dir"), generate's `.lock` left out as .dvcignore leaves it out; None when unreadable."""
+    import hashlib
+    import json
+
+    try:
+        entries = []
+        for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != ".lock"):
+            h = hashlib.md5()
+            with open(path, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+            entries.append({"md5": h.hexdigest(), "relpath": path.relative_to(directory).as_posix()})
+    except OSError:
+        return None
+    entries.sort(key=lambda e: e["relpath"])
+    return hashlib.md5(json.dumps(entries, sort_keys=True).encode()).hexdigest() + ".dir"
+
+
 def _table(head: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -134,8 +154,11 @@ def write_card(path: Path, summary: dict, meta: dict, inputs: dict[str, str]) ->
               f"Drift: {drift.get('rows_differ', 0)} of {drift.get('rows_compared', 0)} rows with the server's sampled "
               f"ids retokenize differently (rate {drift.get('rate', 0.0):.4f}); the rows keep the sampled ids.", "",
               "## Provenance", ""]
-    gen = lock.get("generation") or {}
     outs = lock.get("outs") or {}
+    actual = {p: dvc_dir_md5(Path(p)) for p in inputs.values()}
+    recorded = {p: outs.get(p) is not None and outs.get(p) == actual[p] for p in inputs.values()}
+    # generate's params in dvc.lock describe these completions only when dvc.lock records these very completions
+    gen = (lock.get("generation") or {}) if recorded.get(inputs.get("completions")) else {}
     lines += _table(["what", "value"], [
         ["target", meta["target"]],
         ["tokenizer", f"{tok.get('kind')} {tok.get('name')}; " + ", ".join(
@@ -147,9 +170,11 @@ def write_card(path: Path, summary: dict, meta: dict, inputs: dict[str, str]) ->
         ["rows per", meta["rows_per"]],
         ["answers named (model, token ids via)", "; ".join(f"{m['model']} / {m['token_ids_via']}: {m['rows']}"
                                                             for m in summary["models"])],
-        ["sampling (dvc.lock, generate)", ", ".join(f"{k}={v}" for k, v in gen.items()) or "not recorded"],
+        ["sampling (dvc.lock, generate)", ", ".join(f"{k}={v}" for k, v in gen.items())
+         or "not recorded for these completions (generate ran outside `dvc repro`)"],
         ["git commit", git_commit() or "unknown"],
-        *[[f"{p}: md5 in dvc.lock (this data under `dvc repro`)", outs.get(p) or "not recorded"] for p in inputs.values()],
+        *[[f"{p}: md5", f"{actual[p]} ({'as dvc.lock records it' if recorded[p] else 'not in dvc.lock'})"]
+          for p in inputs.values()],
         ["completions digest", summary["completions_request_keys_sha256"]],
     ])
     lines.append("")
