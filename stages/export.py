@@ -69,7 +69,7 @@ def main(cfg) -> int:
                 raise StageError(f"export left no pre-tokenized row of {result.rows_in} "
                                  f"(left out: {info['filtered'] or 'none'}); nothing put in place")
             (staged.path / "summary.json").write_text(json.dumps(info, indent=2, ensure_ascii=False))
-            pngs = draw(result, staged.path, meta.get("drift", {}))
+            pngs = draw(result, staged.path, meta.get("drift", {}), meta["rows_per"] == "conversation")
             write_card(staged.path / "README.md", info, meta, {"tokens": str(ecfg.input),
                                                                 "completions": str(ecfg.completions)})
             stop_if_terminated()

@@ -26,7 +26,7 @@ def _used(*arrays: np.ndarray) -> slice:
     return slice(min(int(n[0]) for n in nonzero), max(int(n[-1]) for n in nonzero) + 1)
 
 
-def draw(result: Result, out_dir: Path, drift: dict) -> list[Path]:
+def draw(result: Result, out_dir: Path, drift: dict, per_conversation: bool = False) -> list[Path]:
     fig = result.figures
     sources = sorted(fig.by_source)
     paths = [out_dir / name for name in FILES]
@@ -59,11 +59,13 @@ def draw(result: Result, out_dir: Path, drift: dict) -> list[Path]:
 
     with png_figure(paths[2]) as ax:
         turns = sorted(fig.turn_rows)
-        exactly = [fig.turn_rows[k] - fig.turn_rows.get(k + 1, 0) for k in turns]
+        # per_turn: a row per turn, so conversations with exactly k+1 turns = rows of turn k - rows of turn k+1;
+        # conversation rows: one row per conversation, at its last turn
+        exactly = [fig.turn_rows[k] - (0 if per_conversation else fig.turn_rows.get(k + 1, 0)) for k in turns]
         ax.bar([str(k + 1) for k in turns], exactly)
         ax.set_xlabel("turns in the conversation")
         ax.set_ylabel("conversations")
-        ax.set_title(f"{fig.turn_rows.get(0, 0)} conversations by number of turns")
+        ax.set_title(f"{sum(exactly)} conversations by number of turns")
 
     with png_figure(paths[3], size=(7, 3.5)) as ax:
         used = _used(fig.reasoning, fig.answer)
