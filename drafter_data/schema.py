@@ -168,6 +168,20 @@ class Assess:
     completion_tokens: int = ranged(2000, **POSITIVE)  # ...of this many tokens each
 
 
+DEGENERATE_KINDS = ("loop", "empty_reasoning", "empty_answer")
+
+
+@dataclass
+class Export:
+    input: str = MISSING  # tokenize's rows (tokens-*.parquet, meta.json)
+    completions: str = MISSING  # the completions those rows were made from (checked by meta.json's digest)
+    output: str = MISSING  # pretokenized.jsonl, conversations.jsonl, README.md (the card), summary.json
+    trainer: str = ranged("eagle3", choices=("eagle3", "dflash"))  # whose row rules pretokenized.jsonl follows
+    drop: List[str] = field(default_factory=list)  # degenerate kinds left out: loop, empty_reasoning, empty_answer
+    max_length: int = ranged(16384, **POSITIVE)  # rows cut to this many tokens, as the trainer's max_length cuts
+    batch_rows: int = ranged(1024, **POSITIVE)  # rows read at a time
+
+
 @dataclass
 class Mlflow:
     tracking_uri: Optional[str] = None  # null: mlflow.db at the repo root (or MLFLOW_TRACKING_URI)
@@ -183,6 +197,7 @@ class Config:
     generate: Generate = field(default_factory=Generate)
     tokenize: Tokenize = field(default_factory=Tokenize)
     assess: Assess = field(default_factory=Assess)
+    export: Export = field(default_factory=Export)
     mlflow: Mlflow = field(default_factory=Mlflow)
 
 
@@ -282,6 +297,10 @@ def check(cfg) -> None:
     if extra is not None and not OmegaConf.is_dict(extra):
         problems.append(f"tokenize.template_kwargs={extra!r}: give a mapping of kwargs, e.g. {{preserve_thinking: "
                         f"true}}, or null")
+    unknown = [kind for kind in cfg.export.drop if kind not in DEGENERATE_KINDS]
+    if unknown:
+        problems.append(f"export.drop={list(cfg.export.drop)}: {unknown[0]!r} is not a kind of degenerate answer; "
+                        f"choose from {', '.join(DEGENERATE_KINDS)}")
     urls = cfg.server.base_url if OmegaConf.is_list(cfg.server.base_url) else [cfg.server.base_url]
     if not urls or not all(isinstance(u, str) and u.lower().startswith(("http://", "https://")) for u in urls):
         problems.append(f"server.base_url={_plain(cfg.server.base_url)!r}: give the server's http(s) URL (e.g. "

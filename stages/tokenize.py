@@ -38,6 +38,7 @@ from drafter_data.tokens.checks import (OUTPUT_MARKERS, check_consistency, check
                                         render_kwargs, result_problems)
 from drafter_data.tokens.lengths import LengthHistograms
 from drafter_data.tokens.regroup import partition_by_conversation
+from drafter_data.tokens.source_digest import DIGEST_KEY, completions_digest
 from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
 from drafter_data.tokens.rows import (first_examples, init_worker, tokenize_task, worker_conversation,
                                       worker_settings_loaded)
@@ -53,6 +54,7 @@ def main(cfg) -> int:
     check_policies(tcfg)
     check_consistency(in_paths, cfg)
     skips = repeated_rows(in_paths)  # a row found twice is read once; two different ones are refused here
+    source = {DIGEST_KEY: completions_digest(in_paths)}  # which completions these tokens are (export checks it)
     protected = protected_paths(cfg)
     check_output_dir(Path(tcfg.output), protected)  # a refused output fails here, before any work
     # everything is written into staged.path (the workers' shards, the .conversations scratch partition, meta.json),
@@ -72,8 +74,8 @@ def main(cfg) -> int:
                 run.settle(max_s=10)
                 counts, lengths, examples = tokenize_all(map_tasks, tasks, settings["max_length"])
                 shutil.rmtree(staged.path / ".conversations", ignore_errors=True)
-                finish(cfg, run, staged, metadata(cfg, settings, worker_conversation(), counts, examples),
-                       throughput(counts), lengths)
+                finish(cfg, run, staged, {**metadata(cfg, settings, worker_conversation(), counts, examples),
+                                          **source}, throughput(counts), lengths)
     return 0
 
 
