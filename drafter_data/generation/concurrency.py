@@ -129,10 +129,10 @@ class LevelController:
             best = self._pooled(self.best)
             as_good_s = level * best.tokens / best.n / self.best_rate  # a request's life here, were it as good
             age = now - self._started
-            if age >= max(self.min_window_s, 2 * as_good_s) and w.n < min(8, level * age / as_good_s / 3):
-                # a third of the answers an as-good level would have given: far worse (past a steep knee, answers
-                # come late); its rate is what the answers so far made
-                w = Window(tokens=best.tokens / best.n * max(w.n, 1), seconds=age * level, n=1)
+            if age >= max(self.min_window_s, 4 * as_good_s) and w.n < min(8, level / 2):
+                # four such lives, and not half a level's worth of answers (an as-good level gives 3 levels' worth):
+                # far worse (past a steep knee, answers come late). Taken as FAR below the best
+                w = Window(tokens=(1 - FAR) * self.best_rate * (level / self.best) ** TIE / level, seconds=1, n=1)
                 enough = 1
         if w.n < enough or now - self._started < self.min_window_s:
             return None
