@@ -1,25 +1,24 @@
 """generation.concurrency=auto: each server's level (requests in flight) follows its best by a bracketing search.
 
-A window measures one level: only requests sent at it count, and Little's law gives its rate, level x tokens / (sum of
-the requests' seconds), over at least 2 x level requests (a level past the knee that reads far worse is decided on 8),
-with the rate's standard error from the same requests. Windows of one level pool (the last POOL of them).
-
+A window measures one level: only requests sent at it count; Little's law gives its rate, level x tokens / (sum of
+the requests' seconds), over 2 x level requests (more, up to 4x, when the best's windows spread by over SPREAD), with
+its standard error from the same requests. A level far (FAR) worse, or better going up, is decided on half a level's
+worth; one that gave under half a level's worth in four request lives (were it as good as the best) at once.
 The search, on a log scale, over the levels measured since the server last changed:
-  1. expand: while the best has no measured level above it (or below), probe one stride further (x2 from nothing,
-     x1.25 on a re-probe; the stride doubles when the probe wins);
-  2. narrow: with a worse level on both sides, probe the geometric middle of the wider gap (a golden-section search
-     in halves); a probe that wins is the best, one that loses is the new bound on its side;
-  3. hold: once both gaps are below CLOSE, stay at the best for HOLD windows, then forget the other levels and
-     expand again from the best by the small stride (a knee that moved up shows only above the best).
-The best is the level of the highest rate / level ** TIE (doubling the level must give TIE x 69% more tok/s: a lower
-level wins a tie, with less queueing). Noise: a neighbour within Z standard errors of the best is measured again
-(the best first, when it has fewer windows) up to POOL windows each before the point figures decide.
-A window at the best that reads more than SHIFT (and Z standard errors) off its pooled rate means the server changed
-(its KV cache filled, the knee moved): everything else is forgotten and the search expands again by x2, first
-towards where the change points. After a step down the requests above the new level drain before its window starts,
-and a window that could not keep its level busy (the end of the input) is dropped.
-Chosen over a gradient (Vegas-style) limiter and AIMD on latency by bench/concurrency_grid.py: see
-docs/design/concurrency.md.
+  1. expand: while the best has no measured level above (or below) it, probe one stride further: x2 from nothing,
+     x1.25 on a re-probe, the stride doubling while probes win. From an assessed level, down first;
+  2. narrow: with a worse level on both sides, probe the geometric middle of the wider gap; a winner is the best,
+     a loser the new bound on its side;
+  3. hold: once both gaps are under CLOSE, stay at the best HOLD windows (2x, 4x after re-probes that found nothing),
+     then re-probe: forget the other levels and expand from the best again, upwards first.
+The best has the highest rate / level ** TIE (a lower level wins a tie: less queueing). A neighbour within Z standard
+errors of the best (at least the spread between the best's windows) is measured again, up to POOL windows each (they
+pool). A window at the best more than SHIFT (and Z errors) off its rate is measured again; off twice the same way,
+the server changed: all else is forgotten and the search expands from the best towards the change, by as much as the
+rate moved (x1.25 to x2). After a step down the requests above the level drain before its window starts, and a
+window that could not keep its level busy (the end of the input) is dropped.
+Why this and not a gradient (Vegas) limiter or AIMD, and how it fares on a grid of simulated servers
+(bench/concurrency_grid.py): docs/design/concurrency.md.
 """
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ CLOSE = math.log(1.12)  # gaps below this (or between adjacent levels) end the n
 HOLD = 5  # windows at the best between re-probes
 SHIFT = 0.15  # the best re-measured this far off its pooled rate: the server changed
 FAR = 0.3  # a window this far below the best after 8 requests is decided then
+SPREAD = 0.05  # windows of the best whose rates spread more than this are made longer, up to 4x
 MAX_WINDOW_S = 20.0  # past this, half a level's worth of requests is enough
 
 
@@ -81,6 +81,7 @@ class LevelController:
     _suspect: int = 0  # the best's last window was far off its rate, up (1) or down (-1): measured again
     _suspect_window: Window | None = None
     _spread2: float = 0.0  # the mean square of log(window / pooled rate) at the best: the noise between windows
+    _since_best: int = 0  # windows since the last at the best
     _quiet: int = 0  # re-probes in a row that found nothing better: the hold doubles with each, up to 4x
     _window: Window = field(default_factory=Window)
     _started: float = 0.0
@@ -119,12 +120,13 @@ class LevelController:
             self._start(now)
         self._in_flight = [self._in_flight[0] + in_flight, self._in_flight[1] + 1]
         w, level = self._window, self.level
-        enough = max(2 * level, 8) if self.measured else 8  # the first window has nothing to compare with
+        # the first window has nothing to compare with; windows between which the best's rate drifts are longer
+        enough = round(max(2 * level, 8) * min(4.0, max(1.0, self._spread2 / SPREAD ** 2))) if self.measured else 8
         if now - self._started >= MAX_WINDOW_S:
             enough = max(level // 2, 8)
         if self.best != level and self.best in self.measured:
             ratio = self._score(w.rate(level), level) / self._score(self.best_rate, self.best) if w.n else 0.0
-            if w.n >= 8 and (ratio < 1 - FAR or ratio > 1 + 2 * FAR and level > self.best):
+            if w.n >= 8 and (ratio < 1 - FAR or ratio > 1 + FAR and level > self.best):
                 enough = min(enough, max(level // 2, 8))  # far worse (more would only cost) or far better
             best = self._pooled(self.best)
             as_good_s = level * best.tokens / best.n / self.best_rate  # a request's life here, were it as good
@@ -177,6 +179,7 @@ class LevelController:
                 self.stride, self.direction = min(2.0, self.stride ** 2), d
         elif level == self.best:
             self._held += 1
+        self._since_best = 0 if level == self.best else self._since_best + 1
         return self._next()
 
     def _next(self) -> int:
@@ -184,15 +187,17 @@ class LevelController:
         below = [lv for lv in self.measured if lv < best]
         above = [lv for lv in self.measured if lv > best]
         lo, hi = (max(below) if below else None), (min(above) if above else None)
+        if self._since_best >= 3:  # the best's figure is getting old (the server may have changed): again first
+            return best
+        open_sides = [d for d, bound, edge in ((1, hi, self.high), (-1, lo, self.low)) if bound is None and best != edge]
+        if open_sides:
+            d = self.direction if self.direction in open_sides else open_sides[0]
+            return self._clamp_away(round(best * self.stride ** d), d)
         for side in (lo, hi):  # a neighbour within the noise: measure again, the one with fewer windows first
             if side is not None and self._in_doubt(side):
                 pick = best if len(self.measured[best]) < len(self.measured[side]) else side
                 if len(self.measured[pick]) < POOL:
                     return pick
-        open_sides = [d for d, bound, edge in ((1, hi, self.high), (-1, lo, self.low)) if bound is None and best != edge]
-        if open_sides:
-            d = self.direction if self.direction in open_sides else open_sides[0]
-            return self._clamp_away(round(best * self.stride ** d), d)
         gaps = [(math.log(b / best) * d, d, b) for d, b in ((1, hi), (-1, lo)) if b is not None and abs(b - best) > 1]
         gaps = [g for g in gaps if g[0] > CLOSE]
         if gaps:
@@ -200,10 +205,11 @@ class LevelController:
             return self._clamp_away(round(math.sqrt(best * bound)), d)
         if self._held < HOLD << min(self._quiet, 2):
             return best
-        # re-probe: forget the other levels, expand again from the best by the small stride, upwards first
-        self.measured, self.stride, self.direction, self._held = {best: self.measured[best]}, 1.25, 1, 0
-        self._quiet += 1
-        return self._next()
+        # re-probe: forget the levels above, expand again from the best by the small stride (a knee that moves up
+        # shows only above the best; one that moves down, at the best itself)
+        self.measured = {lv: ws for lv, ws in self.measured.items() if lv <= best}
+        self.stride, self.direction, self._held, self._quiet = 1.25, 1, 0, self._quiet + 1
+        return self._next() if best < self.high else best
 
     def _noise(self, level: int, w: Window | None = None) -> float:
         """A rate's relative standard error: from its requests, at least the spread between windows of the best."""
