@@ -142,7 +142,7 @@ def main() -> None:
 def first_45s(root: str, tmp: Path, name: str, *extra: str) -> float:
     """tok/s the server produced over the 45 s from the run's first token (the stage's start-up left out)."""
     t0 = time.time()
-    run_stage(root, tmp, name, 1300, *extra, max_tokens=512)
+    run_stage(root, tmp, name, 1300, "generation.thinking=false", *extra, max_tokens=512)
     with urllib.request.urlopen(f"{root}/stats?since={t0}", timeout=10) as resp:
         first = json.loads(resp.read())["first_token_since"]
     return tokens_between(root, first, first + STEEP_WINDOW_S)

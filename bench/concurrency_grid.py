@@ -10,7 +10,9 @@ printed first. The points are drawn by GRID_SEED; HELD_OUT_SEED chose, before an
 (marked `held-out`, reported separately; docs/design/concurrency.md lists them). The issue's steep server (64 slots,
 (active/24)^2 past 24, 200-400 tokens, tok/s bending early) is point 0, over 45 s from nothing.
 
-    python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2]
+`--controller gradient|aimd` runs instead the alternatives of bench/concurrency_alternatives.py (the same grid).
+
+    python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2] [--controller bracket|gradient|aimd]
 """
 from __future__ import annotations
 
@@ -64,12 +66,16 @@ def fixed_levels(engine: Engine) -> list[int]:
 
 
 def run_point(args) -> dict:
-    index, (engine, start, seconds), seed = args
+    index, (engine, start, seconds), seed, kind = args
     steps = int(min(12000, max(2000, seconds / 0.02)))
     fixed = {lv: simulate(engine, lv, seconds, seed, steps=steps) for lv in fixed_levels(engine)}
 
     def make(clock):
-        return LevelController.starting_at(start, 1, 256, clock=clock)
+        if kind == "bracket":
+            return LevelController.starting_at(start, 1, 256, clock=clock)
+        from bench.concurrency_alternatives import AimdLimiter, GradientLimiter
+
+        return {"gradient": GradientLimiter, "aimd": AimdLimiter}[kind](level=start or 4, low=1, high=256, clock=clock)
 
     auto = simulate(engine, make, seconds, seed, steps=steps)
     best_whole = max(fixed, key=lambda lv: fixed[lv].whole)
@@ -99,10 +105,11 @@ def main() -> None:
     parser.add_argument("--worst", type=int, default=6, help="points run three times more, worst first")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--only", type=int, nargs="*", help="these point indices")
+    parser.add_argument("--controller", default="bracket", choices=["bracket", "gradient", "aimd"])
     args = parser.parse_args()
     points, out = grid(), held_out()
     chosen = args.only if args.only else range(len(points))
-    tasks = [(i, points[i], seed) for i in chosen for seed in range(args.seeds)]
+    tasks = [(i, points[i], seed, args.controller) for i in chosen for seed in range(args.seeds)]
     with Pool(args.jobs) as pool:
         rows = pool.map(run_point, tasks)
         tuned = [r for r in rows if r["index"] not in out]
@@ -116,7 +123,7 @@ def main() -> None:
         if args.worst:
             worst = sorted({r["index"] for r in sorted(rows, key=shortfall)[:args.worst]},
                            key=lambda i: min(shortfall(r) for r in rows if r["index"] == i))
-            again = pool.map(run_point, [(i, points[i], 100 + k) for i in worst for k in range(3)])
+            again = pool.map(run_point, [(i, points[i], 100 + k, args.controller) for i in worst for k in range(3)])
             print("\nthe worst points, three more runs each (seeds 100-102):")
             for i in worst:
                 runs = [r for r in again if r["index"] == i]

@@ -328,7 +328,11 @@ def test_the_stage_runs_with_auto_and_logs_its_levels(run_stage, fake_server, tm
     assert f"concurrency: auto, {server.url} starts at 4 (not assessed" in proc.stderr
     assert "without its token counts" not in proc.stderr
     check_exactly_once(prompts, tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "run.json").read_text())["completions"] == 200
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert summary["completions"] == 200
+    # a slow server: the client's event loop is far from a core, and run.json says so
+    assert summary["client_bound"] is False and "client_limit" not in summary
+    assert 0 <= summary["client_cpu_cores"] < 0.9 and summary["client_bound_share"] == 0
     assert len(read_rows(tmp_path / "out", "completions-")) == 200
 
 
