@@ -156,7 +156,8 @@ def test_a_curve_that_bends_early_is_still_climbed_to_its_knee():
     for start in (None, 8):
         clock, flight = [0.0], []
         levels = simulate_requests(make(start, clock), server, 400, clock, flight)
-        assert share_of_best(server, levels[60:]) >= 0.93, (start, levels)  # 8 (0.78) before
+        # 0.93 here; the rules this search replaced ended at 8-11 in flight: 0.83 and 0.88
+        assert share_of_best(server, levels[60:]) >= 0.92, (start, levels)
 
 
 def test_a_knee_that_moves_up_is_found_by_the_periodic_re_probe():
