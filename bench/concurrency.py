@@ -114,9 +114,12 @@ def main() -> None:
     parser.add_argument("--moved-only", action="store_true", help="only the moved knee (about 6 minutes)")
     parser.add_argument("--repeats", type=int, default=0, help="auto against the knee's fixed level, N times")
     parser.add_argument("--steep", action="store_true", help="the issue-30 steep server: fixed 8, 24, auto over 45 s")
+    parser.add_argument("--slower", type=float, default=1.0,
+                        help="--steep with every delay this many times longer (the same curve's shape, fewer tok/s: "
+                             "on a busy machine the fake server at 6,000 tok/s is CPU-bound and its knee is gone)")
     args = parser.parse_args()
     if args.steep:
-        return steep(args.repeats or 2)
+        return steep(args.repeats or 2, args.slower)
     knee, n = args.knee, args.prompts
     server, root = start_server({**SERVER, "knee": knee})
     try:
@@ -139,23 +142,26 @@ def main() -> None:
         server.kill()
 
 
-def first_45s(root: str, tmp: Path, name: str, *extra: str) -> float:
+def first_45s(root: str, tmp: Path, name: str, prompts: int, *extra: str) -> float:
     """tok/s the server produced over the 45 s from the run's first token (the stage's start-up left out)."""
     t0 = time.time()
-    run_stage(root, tmp, name, 1300, "generation.thinking=false", *extra, max_tokens=512)
+    run_stage(root, tmp, name, prompts, "generation.thinking=false", *extra, max_tokens=512)
     with urllib.request.urlopen(f"{root}/stats?since={t0}", timeout=10) as resp:
         first = json.loads(resp.read())["first_token_since"]
     return tokens_between(root, first, first + STEEP_WINDOW_S)
 
 
-def steep(runs: int) -> None:
-    server, root = start_server(STEEP)
+def steep(runs: int, slower: float = 1.0) -> None:
+    server, root = start_server({**STEEP, "token_delay_s": STEEP["token_delay_s"] * slower})
+    prompts = max(300, int(1300 / slower))
     try:
         with tempfile.TemporaryDirectory(prefix="bench-steep-") as tmp:
             tmp = Path(tmp)
             for i in range(runs):
-                fixed = {lv: first_45s(root, tmp, f"s{i}-{lv}", f"generation.concurrency={lv}") for lv in (8, 24)}
-                auto = first_45s(root, tmp, f"s{i}-auto", "generation.concurrency=auto", "generate.assessment=null")
+                fixed = {lv: first_45s(root, tmp, f"s{i}-{lv}", prompts, f"generation.concurrency={lv}")
+                         for lv in (8, 24)}
+                auto = first_45s(root, tmp, f"s{i}-auto", prompts, "generation.concurrency=auto",
+                                 "generate.assessment=null")
                 levels = next(iter(json.loads((tmp / f"out-s{i}-auto" / "run.json").read_text())
                                    ["concurrency_levels"].values()))
                 print(f"steep server, run {i + 1}: fixed 8 {fixed[8]:.0f}, fixed 24 {fixed[24]:.0f}, auto "

@@ -16,7 +16,7 @@ from tqdm import tqdm
 SERIES_EVERY_S = 5.0
 CLIENT_WINDOW_S = 10.0
 CLIENT_BOUND_CORES = 0.9  # the event loop's CPU over CLIENT_WINDOW_S, in cores, at which the client is the limit
-CLIENT_WAY_PAST = ("the client is the limit: generate.stream=false (an unstreamed answer costs the client ~20x less "
+CLIENT_WAY_PAST = ("the client is the limit: generate.stream=false (an unstreamed answer costs the client ~1/10 the "
                    "CPU per token), or more generate processes (the input split into shards, one process each)")
 
 
