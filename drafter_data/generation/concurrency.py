@@ -6,7 +6,8 @@ its standard error from the same requests. A level far (FAR) worse, or better go
 worth; one that gave under half a level's worth in four request lives (were it as good as the best) at once.
 The search, on a log scale, over the levels measured since the server last changed:
   1. expand: while the best has no measured level above (or below) it, probe one stride further: x2 from nothing,
-     x1.25 on a re-probe, the stride doubling while probes win. From an assessed level, down first;
+     x1.25 on a re-probe, the stride doubling while probes win (to x1.56 at most on a re-probe). From an assessed
+     level, down first;
   2. narrow: with a worse level on both sides, probe the geometric middle of the wider gap; a winner is the best,
      a loser the new bound on its side;
   3. hold: once both gaps are under CLOSE, stay at the best HOLD windows (2x, 4x after re-probes that found nothing),
@@ -81,6 +82,7 @@ class LevelController:
     _suspect: int = 0  # the best's last window was far off its rate, up (1) or down (-1): measured again
     _suspect_window: Window | None = None
     _spread2: float = 0.0  # the mean square of log(window / pooled rate) at the best: the noise between windows
+    _cap: float = 2.0  # the longest stride: x1.56 on a re-probe (near a knee that may have moved, not far off it)
     _since_best: int = 0  # windows since the last at the best
     _quiet: int = 0  # re-probes in a row that found nothing better: the hold doubles with each, up to 4x
     _window: Window = field(default_factory=Window)
@@ -157,7 +159,7 @@ class LevelController:
                 # off twice the same way: the server changed. Forget the rest, expand again from the best, first
                 # towards where the change points, by as much as the rate moved (x1.25 to x2)
                 fell = abs(math.log(w.rate(level) / self.best_rate))
-                self.direction, self.stride = changed, min(2.0, max(1.25, math.exp(fell)))
+                self.direction, self.stride, self._cap = changed, min(2.0, max(1.25, math.exp(fell))), 2.0
                 self.measured = {level: [self._suspect_window, w]}
                 self._held, self._quiet, self._suspect = 0, 0, 0
                 return self._next()
@@ -176,7 +178,7 @@ class LevelController:
         if self.best != old:
             self._held, self._quiet, d = 0, 0, 1 if self.best > old else -1
             if not any((lv - self.best) * d > 0 for lv in self.measured):  # won outwards: stride on, longer
-                self.stride, self.direction = min(2.0, self.stride ** 2), d
+                self.stride, self.direction = min(self._cap, self.stride ** 2), d
         elif level == self.best:
             self._held += 1
         self._since_best = 0 if level == self.best else self._since_best + 1
@@ -208,7 +210,7 @@ class LevelController:
         # re-probe: forget the levels above, expand again from the best by the small stride (a knee that moves up
         # shows only above the best; one that moves down, at the best itself)
         self.measured = {lv: ws for lv, ws in self.measured.items() if lv <= best}
-        self.stride, self.direction, self._held, self._quiet = 1.25, 1, 0, self._quiet + 1
+        self.stride, self._cap, self.direction, self._held, self._quiet = 1.25, 1.25 ** 2, 1, 0, self._quiet + 1
         return self._next() if best < self.high else best
 
     def _noise(self, level: int, w: Window | None = None) -> float:
