@@ -9,11 +9,15 @@ the whole request phase (output tok/s in run.json: the climb included) and the s
 produced from STEADY_FROM_S to STEADY_TO_S after the stage started, the same window for every run). Goals: auto
 >= 0.95x the best fixed level; within 10% of it after the knee moved.
 
+`--steep` runs instead the issue-30 server (64 slots, every token slower by (active / 24) ** 2 past 24 generating,
+decode gains bending early, answers of 200-400 tokens) `--repeats` times (default 2): fixed 8, 24 and auto from
+nothing, each over the first 45 s from its first token (goal: auto >= 0.9x the fixed 24).
+
 `--repeats N` runs instead, N times over: the best fixed level (the knee), auto from the misleading assessment and
 auto from nothing, each pair side by side, and prints the spread of each ratio (these machines are noisy). With more
 `--prompts` the climb weighs less in the whole run, as in a real run of days.
 
-    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 800] [--moved-only | --repeats 3]
+    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 800] [--moved-only | --repeats 3 | --steep]
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ from bench._common import REPO, run_measured  # noqa: E402
 
 SERVER = {"token_delay_s": 0.02, "reasoning_words": 20, "content_words": 20, "knee_penalty": 1.5}
 STEADY_FROM_S, STEADY_TO_S = 25.0, 40.0
+STEEP = {"token_delay_s": 0.000542, "knee": 24, "knee_penalty": 2.0, "bend": 3.8, "slots": 64, "reasoning_words": 0,
+         "content_words_range": [200, 400]}
+STEEP_WINDOW_S = 45.0
 
 
 def start_server(config: dict) -> tuple[subprocess.Popen, str]:
@@ -64,14 +71,14 @@ def write_prompts(directory: Path, n: int, tag: str) -> None:
     pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS), directory / "prompts-00000.parquet")
 
 
-def run_stage(url: str, tmp: Path, name: str, n: int, *extra: str) -> tuple[float, float]:
+def run_stage(url: str, tmp: Path, name: str, n: int, *extra: str, max_tokens: int = 64) -> tuple[float, float]:
     """(output tok/s of the whole request phase, tok/s the server produced in the steady window)."""
     write_prompts(tmp / f"in-{name}", n, name)
     out = tmp / f"out-{name}"
     t0 = time.time()
     run_measured([sys.executable, "-m", "stages.generate", "server=remote", f"server.base_url={url}/v1",
                   "server.model=fake-model", "target=kimi-k2.6", f"generate.input={tmp / f'in-{name}'}",
-                  f"generate.output={out}", "generation.max_tokens=64", "generation.token_ids=off", *extra],
+                  f"generate.output={out}", f"generation.max_tokens={max_tokens}", "generation.token_ids=off", *extra],
                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"})
     whole = json.loads((out / "run.json").read_text())["output_tokens_per_s"]
     return whole, tokens_between(url, t0 + STEADY_FROM_S, t0 + STEADY_TO_S)
@@ -106,7 +113,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=800)
     parser.add_argument("--moved-only", action="store_true", help="only the moved knee (about 6 minutes)")
     parser.add_argument("--repeats", type=int, default=0, help="auto against the knee's fixed level, N times")
+    parser.add_argument("--steep", action="store_true", help="the issue-30 steep server: fixed 8, 24, auto over 45 s")
+    parser.add_argument("--slower", type=float, default=1.0,
+                        help="--steep with every delay this many times longer (the same curve's shape, fewer tok/s: "
+                             "on a busy machine the fake server at 6,000 tok/s is CPU-bound and its knee is gone)")
     args = parser.parse_args()
+    if args.steep:
+        return steep(args.repeats or 2, args.slower)
     knee, n = args.knee, args.prompts
     server, root = start_server({**SERVER, "knee": knee})
     try:
@@ -125,6 +138,35 @@ def main() -> None:
             report("auto, no assessment (climbing from 4)",
                    run_stage(root, tmp, "cold", n, "generation.concurrency=auto", "generate.assessment=null"), fixed)
             moved_knee(root, tmp, knee, n, start)
+    finally:
+        server.kill()
+
+
+def first_45s(root: str, tmp: Path, name: str, prompts: int, *extra: str) -> float:
+    """tok/s the server produced over the 45 s from the run's first token (the stage's start-up left out)."""
+    t0 = time.time()
+    run_stage(root, tmp, name, prompts, "generation.thinking=false", *extra, max_tokens=512)
+    with urllib.request.urlopen(f"{root}/stats?since={t0}", timeout=10) as resp:
+        first = json.loads(resp.read())["first_token_since"]
+    return tokens_between(root, first, first + STEEP_WINDOW_S)
+
+
+def steep(runs: int, slower: float = 1.0) -> None:
+    server, root = start_server({**STEEP, "token_delay_s": STEEP["token_delay_s"] * slower})
+    prompts = max(300, int(1300 / slower))
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-steep-") as tmp:
+            tmp = Path(tmp)
+            for i in range(runs):
+                fixed = {lv: first_45s(root, tmp, f"s{i}-{lv}", prompts, f"generation.concurrency={lv}")
+                         for lv in (8, 24)}
+                auto = first_45s(root, tmp, f"s{i}-auto", prompts, "generation.concurrency=auto",
+                                 "generate.assessment=null")
+                levels = next(iter(json.loads((tmp / f"out-s{i}-auto" / "run.json").read_text())
+                                   ["concurrency_levels"].values()))
+                print(f"steep server, run {i + 1}: fixed 8 {fixed[8]:.0f}, fixed 24 {fixed[24]:.0f}, auto "
+                      f"{auto:.0f} tok/s over {STEEP_WINDOW_S:.0f} s from the first token = {auto / fixed[24]:.2f}x "
+                      f"the fixed 24; auto's levels: {' '.join(str(lv) for _, lv, _ in levels)}", flush=True)
     finally:
         server.kill()
 

@@ -7,8 +7,14 @@ first (one pair's ratio moved by 0.1 between runs on this machine), and their me
 the stage resuming over N finished rows (nothing left to send): goals < 10 s at 1M, < 20 s and < 1 GB at 4.3M (the
 seed's pool); the peak RSS at both sizes shows whether memory stays flat per prompt.
 
+`--ceiling` measures instead the client's own ceiling: against an instant server (every answer written at once) with
+2,000-token answers at 64 in flight, streamed and not, the stage's output tok/s and CPU seconds per 1,000 output
+tokens, and what run.json says of it (the event loop's cores; client_bound). Whatever the servers can do, one generate
+process makes no more than this: past it, generate.stream=false or more generate processes (shards).
+
     .venv/bin/python bench/generate.py [--requests 6000] [--concurrency 64 256] [--pairs 3]
                                        [--resume-rows 1000000 4300000]
+    .venv/bin/python bench/generate.py --ceiling [--ceiling-requests 400]
 """
 from __future__ import annotations
 
@@ -126,13 +132,44 @@ def fake_finished(inp: Path, out: Path, url: str, conc: int) -> None:
         offset, shard = offset + n, shard + 1
 
 
+def ceiling(requests: int, answer_tokens: int = 2000, conc: int = 64) -> None:
+    """One generate process against an instant server: tok/s and CPU per 1,000 tokens, streamed and not."""
+    server, url = start_server({"reasoning_words": 0, "content_words": answer_tokens})
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-ceiling-") as tmp:
+            tmp = Path(tmp)
+            env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
+            write_prompts(tmp / "in", requests)
+            for stream in (True, False):
+                out = tmp / f"out-{stream}"
+                stage = run_measured(client_cmd(stage_args(url, tmp / "in", out, conc) + [
+                    f"generate.stream={str(stream).lower()}", f"generation.max_tokens={answer_tokens + 16}",
+                    "generation.token_ids=off", "generation.thinking=false"]), env=env)
+                summary = json.loads((out / "run.json").read_text())
+                tokens = summary["output_tokens_per_s"] * summary["elapsed_s"]
+                print(f"client ceiling, {'streamed' if stream else 'generate.stream=false'}: "
+                      f"{summary['output_tokens_per_s']:,.0f} output tok/s, CPU {stage['cpu_s'] / tokens * 1000:.3f} s "
+                      f"per 1,000 tokens (whole process; the event loop's thread in the request phase "
+                      f"{summary['client_cpu_cores'] * summary['elapsed_s'] / tokens * 1000:.3f} s, so one core's "
+                      f"ceiling ~{tokens / (summary['client_cpu_cores'] * summary['elapsed_s']):,.0f} tok/s); "
+                      f"the event loop at {summary['client_cpu_cores']:.2f} of a core "
+                      f"(peak {summary['client_cpu_cores_peak']:.2f}), client_bound {summary['client_bound']}; "
+                      f"{requests} answers of {tokens / requests:.0f} tokens, {conc} in flight", flush=True)
+    finally:
+        server.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=6000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--pairs", type=int, default=3, help="bare/stage pairs per level, alternating which goes first")
     parser.add_argument("--resume-rows", type=int, nargs="+", default=[1_000_000, 4_300_000])
+    parser.add_argument("--ceiling", action="store_true", help="the client's ceiling only (streamed and not)")
+    parser.add_argument("--ceiling-requests", type=int, default=400)
     args = parser.parse_args()
+    if args.ceiling:
+        return ceiling(args.ceiling_requests)
     server, url = start_server({"reasoning_words": 6, "content_words": 6})
     try:
         with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:

@@ -265,6 +265,10 @@ class StageRun:
         """A plot, shown under plots/ in the run."""
         self.artifact(png_path, "plots")
 
+    def tags(self, values: dict[str, str]) -> None:
+        """Tags set on the run (e.g. what limited it)."""
+        self._submit(self._set_tags, {k: str(v) for k, v in values.items()})
+
     def open(self, uri: str, experiment: str, name: str, tags: dict, params: dict, start_ms: int) -> None:
         self._submit(self._open, uri, experiment, name, tags, params, start_ms)
 
@@ -320,6 +324,13 @@ class StageRun:
                                 run_name=name)
         self._client, self.run_id = client, run.info.run_id
         client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
+
+    def _set_tags(self, values: dict[str, str]) -> None:
+        if self.run_id is None:
+            return
+        from mlflow.entities import RunTag
+
+        self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in values.items()])
 
     def _log_metrics(self, batch: list[tuple[str, float, int, int]]) -> None:
         if self.run_id is None:

@@ -27,7 +27,7 @@ from drafter_data.generation.keys import KeySet
 from drafter_data.output_lock import OutputLock
 from drafter_data.outputs import check_apart
 from drafter_data.generation.concurrency import LevelController
-from drafter_data.generation.progress import Assessment
+from drafter_data.generation.progress import CLIENT_WAY_PAST, Assessment
 from drafter_data.generation.runner import Runner, RunSettings
 from drafter_data.generation.store import CompletionStore, ResumePlan
 from drafter_data.generation.work import InputKeys, ThinkingModes, input_keys, iter_todo, not_started
@@ -195,6 +195,8 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
               for sv in runner.pool.states if sv.controller is not None}
     summary = {**metrics, "saved": runner.saved, "elapsed_s": runner.progress.elapsed(), "prompts": len(inputs.keys) - inputs.repeated,
                **({"concurrency_levels": levels} if levels else {}),
+               "client_bound": runner.progress.client.ever_bound,
+               **({"client_limit": CLIENT_WAY_PAST} if runner.progress.client.ever_bound else {}),
                "stale_moved": plan.stale_rows, "restored": plan.restored_rows,
                "quarantined_shards": len(plan.broken), "stopped_reason": runner.fatal}
     try:
@@ -204,6 +206,8 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
     run.artifact(out_dir / "run.json")
     run.artifact(out_dir / "errors.jsonl")
     run.metrics({k: v for k, v in metrics.items() if v is not None})
+    run.tags({"client_bound": str(runner.progress.client.ever_bound).lower(),
+              **({"client_limit": CLIENT_WAY_PAST} if runner.progress.client.ever_bound else {})})
     with tempfile.TemporaryDirectory() as tmp:
         if runner.progress.plot(Path(tmp) / "throughput_over_time.png"):
             run.artifact(Path(tmp) / "throughput_over_time.png", "plots")
@@ -226,6 +230,9 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
               f"from {runner.spec.model!r} (server.model)", file=sys.stderr)
     print(f"generate: {runner.saved} completions this run{lost} ({rows_total} rows in {out_dir}), {c.errors} failed "
           f"for good, {c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s{check}", file=sys.stderr)
+    if runner.progress.client.ever_bound:
+        print(f"generate: for {metrics['client_bound_share']:.0%} of the run (peak {metrics['client_cpu_cores_peak']:.2f} "
+              f"of a core) {CLIENT_WAY_PAST}", file=sys.stderr)
 
 
 if __name__ == "__main__":

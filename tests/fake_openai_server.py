@@ -27,6 +27,10 @@ Config keys (defaults in DEFAULTS; every addition is off by default, so the plai
   slots 0                      0 = unlimited parallel requests; else requests beyond queue (like a real engine)
   knee 0, knee_penalty 1.5     throughput knee: with more than `knee` requests generating, the per-token delay is
                                token_delay_s * (generating / knee) ** knee_penalty (total tokens/s falls beyond it)
+  bend 0                       >0: decode batching with diminishing returns from the start: the per-token delay is
+                               also x (1 + (generating - 1) / bend) (tok/s bends early, long before the knee)
+  content_words_range None     [lo, hi]: each prompt's answer has lo..hi content words (by its hash) instead of
+                               content_words
   fault_rate 0.0               probability that a request gets one of `faults` (drawn with a seeded rng)
   faults [...]                 names: 429 500 503 (HTTP errors), drop (connection closed, no answer), truncate
                                (stream stops mid-answer, no finish_reason), garbage (non-JSON body), abort (HTTP 200,
@@ -69,7 +73,7 @@ otherwise encode(content) + [<|im_end|>]. A tool call replaces the content by
 markers omitted (except `</think>` in the inline convention). One token per streamed chunk.
 
 Endpoints: POST /v1/chat/completions, GET /v1/models, GET /health, GET /props, /version, /server_info (see
-`engine`), POST /apply-template, /tokenize (token-id modes), GET /stats (?since=&until= for the tokens window),
+`engine`), POST /apply-template, /tokenize (token-id modes), GET /stats (?since=&until= for the tokens window, and the first token's time since),
 GET /requests (?since_index=N: every chat body received, with its receive time), GET /split,
 POST /config (merges a JSON object into the live config). /stats: requests, completed (request_key -> answers
 finished; abort, stream_error, truncated streams, drop and crashes are not), faults, tokens_in_window,
@@ -132,6 +136,8 @@ DEFAULTS = {
     "slots": 0,  # 0 = unlimited parallel requests; else requests beyond queue (like a real engine)
     "knee": 0,
     "knee_penalty": 1.5,
+    "bend": 0,
+    "content_words_range": None,
     "fault_rate": 0.0,  # probability that a request gets one of `faults`
     "faults": ["429", "500", "503", "drop", "truncate", "garbage"],
     "seed": 0,
@@ -173,8 +179,16 @@ def words_for(messages: list[dict], kind: str, n: int) -> list[str]:
 def expected(messages: list[dict], config: dict | None = None) -> tuple[str, str]:
     cfg = {**DEFAULTS, **(config or {})}
     reasoning = " ".join(words_for(messages, "r", cfg["reasoning_words"]))
-    content = " ".join(words_for(messages, "c", cfg["content_words"]))
+    content = " ".join(words_for(messages, "c", content_words(messages, cfg)))
     return reasoning, content
+
+
+def content_words(messages: list[dict], cfg: dict) -> int:
+    """content_words, or with content_words_range a count in it picked by the prompt's hash."""
+    if not cfg.get("content_words_range"):
+        return cfg["content_words"]
+    lo, hi = cfg["content_words_range"]
+    return lo + int(request_key(messages), 16) % (hi - lo + 1)
 
 
 def request_key(messages: list[dict]) -> str:
@@ -361,7 +375,7 @@ def word_answer(body: dict, cfg: dict, thinking: bool, call: dict | None) -> Ans
     messages = body["messages"]
     straight = cfg["no_reasoning_on"] is not None and cfg["no_reasoning_on"] in str(messages[-1].get("content"))
     r_words = words_for(messages, "r", cfg["reasoning_words"]) if thinking and not straight else []
-    c_words = [] if call else words_for(messages, "c", cfg["content_words"])
+    c_words = [] if call else words_for(messages, "c", content_words(messages, cfg))
     tokens = [("r", w) for w in r_words] + [("c", w) for w in c_words]
     steps = [Step(f, t) for f, t in word_pieces(tokens, cfg["reasoning"])]
     if call:
@@ -610,8 +624,10 @@ class FakeServer:
         since = float(request.query.get("since", 0))
         until = float(request.query.get("until", time.time() + 1))
         tokens = sum(1 for t in self.token_times if since <= t < until)
+        first = next((t for t in self.token_times if t >= since), None)
         return web.json_response({"requests": self.requests, "completed": self.completed, "faults": self.faults_served,
                                   "tokens_in_window": tokens, "tokens_total": len(self.token_times),
+                                  "first_token_since": first,
                                   "split_prompts": sorted(self.split_served),
                                   "crashes": sum(self.crash_counts.values()), "crash_counts": self.crash_counts,
                                   "inflight": len(self.inflight), "inflight_peak": self.inflight_peak})
@@ -794,6 +810,8 @@ class FakeServer:
         delay, knee = self.cfg["token_delay_s"], self.cfg["knee"]
         if knee and self.generating > knee:
             delay *= (self.generating / knee) ** self.cfg["knee_penalty"]
+        if self.cfg["bend"]:
+            delay *= 1 + max(self.generating - 1, 0) / self.cfg["bend"]
         return delay
 
     async def _tick(self, flight: Flight, sleep: bool = True) -> None:

@@ -1,5 +1,6 @@
 """What a generate run has done so far: counters, the live progress bar (rate, concurrency, ETA, ETA against the
-assessment), the metrics sent to MLflow, and the time series behind the throughput/concurrency plot."""
+assessment, and whether the client itself is the limit), the metrics sent to MLflow, and the time series behind the
+throughput/concurrency plot."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,11 @@ import numpy as np
 from tqdm import tqdm
 
 SERIES_EVERY_S = 5.0
+CLIENT_WINDOW_S = 10.0
+CLIENT_BOUND_CORES = 0.75  # the event loop's CPU over CLIENT_WINDOW_S, in cores, at which the client is the limit: it
+# does not reach 1.0 (other threads share the interpreter lock); against an instant server it ran at 0.84-0.87
+CLIENT_WAY_PAST = ("the client is the limit: generate.stream=false (an unstreamed answer costs the client ~1/10 the "
+                   "CPU per token), or more generate processes (the input split into shards, one process each)")
 
 
 @dataclass
@@ -65,6 +71,38 @@ class Assessment:
                    measured.get("kind") == "local")
 
 
+class ClientLoad:
+    """The CPU the event loop's thread (every request, parse and write of generate) used over the last
+    CLIENT_WINDOW_S, in cores: at CLIENT_BOUND_CORES, the client, not the servers, sets the pace."""
+
+    def __init__(self):
+        self.samples: deque = deque([(time.monotonic(), time.thread_time())])
+        self.cores = 0.0
+        self.peak = 0.0
+        self.bound_s = 0.0  # seconds of the run spent client-bound
+        self.ever_bound = False
+
+    def sample(self) -> float:
+        """Call from the event loop's thread about once a second."""
+        now, cpu = time.monotonic(), time.thread_time()
+        last_t = self.samples[-1][0]
+        self.samples.append((now, cpu))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= CLIENT_WINDOW_S:
+            self.samples.popleft()
+        t0, c0 = self.samples[0]
+        if now - t0 >= CLIENT_WINDOW_S / 2:
+            self.cores = (cpu - c0) / (now - t0)
+            self.peak = max(self.peak, self.cores)
+            if self.bound:
+                self.bound_s += now - last_t
+                self.ever_bound = True
+        return self.cores
+
+    @property
+    def bound(self) -> bool:
+        return self.cores >= CLIENT_BOUND_CORES
+
+
 class Progress:
     def __init__(self, counters: Counters, assessed: Assessment, servers: int = 1):
         self.c, self.assessed, self.servers = counters, assessed, servers
@@ -76,10 +114,13 @@ class Progress:
         self.concurrency = 0
         self.series: list[tuple[float, int, float, float | None]] = []  # (s, concurrency, tok/s, ttft p50)
         self._last_point = (0.0, 0)
+        self.client = ClientLoad()
+        self._cpu0 = time.thread_time()
 
     def start(self, total: int) -> None:
         """The clock and the bar start with the run (after resume and preflight)."""
-        self.total, self.t0 = total, time.monotonic()
+        self.total, self.t0, self._cpu0 = total, time.monotonic(), time.thread_time()
+        self.client = ClientLoad()
         self.bar = tqdm(total=total, unit="conv", desc="generate", file=sys.stderr, dynamic_ncols=True,
                         mininterval=1.0, disable=None)
 
@@ -91,16 +132,24 @@ class Progress:
         flush, compaction and closing the clients do not count in the run's requests/s and tok/s."""
         if self.t_end is None:
             self.t_end = time.monotonic()
+            self._cores_run = (time.thread_time() - self._cpu0) / max(self.t_end - self.t0, 1e-9)
 
     def update(self, finished: int, concurrency: int) -> None:
-        """finished: conversations done or given up so far in this run."""
+        """finished: conversations done or given up so far in this run (from the event loop's thread)."""
         self.concurrency = concurrency
+        was_bound = self.client.ever_bound
+        if self.t_end is None:
+            self.client.sample()
+        if self.client.ever_bound and not was_bound:
+            tqdm.write(f"generate's client uses {self.client.cores:.2f} of a core: {CLIENT_WAY_PAST}", file=sys.stderr)
         if self.bar is not None:
             self.bar.update(finished - self._shown)
             self._shown = finished
             eta_h, projected_h = self.eta_hours(finished)
             self.bar.set_postfix(conc=concurrency, tok_s=f"{self.tokens_per_s():.0f}", errors=self.c.errors,
                                  retries=self.c.retries, eta_h=_hours(eta_h), assessed_h=_hours(projected_h),
+                                 client=f"{self.client.cores:.2f} core" + (" LIMIT: stream=false or more procs"
+                                                                             if self.client.bound else ""),
                                  refresh=False)
         self._add_point()
 
@@ -153,6 +202,11 @@ class Progress:
             # steady rate, as assess's (a short run's whole-run rate is mostly its first wave and its drain); none
             # when no answer finished with every slot busy (fewer conversations than the level)
             "throughput_vs_assessed": steady / assessed if assessed and steady is not None else None,
+            # the client's own ceiling: the event loop's CPU in cores over the run, its peak over CLIENT_WINDOW_S,
+            # and the share of the run it was the limit (at CLIENT_BOUND_CORES)
+            "client_cpu_cores": (time.thread_time() - self._cpu0) / elapsed if self.t_end is None else self._cores_run,
+            "client_cpu_cores_peak": self.client.peak,
+            "client_bound_share": self.client.bound_s / elapsed,
         }
 
     def live_metrics(self) -> dict:
@@ -162,7 +216,8 @@ class Progress:
         now = self.series[-1] if self.series else None
         return {**self.metrics(), "concurrency": self.concurrency, "eta_hours": eta_h,
                 "assessed_eta_hours": projected_h, "output_tokens_per_s_now": now[2] if now else None,
-                "ttft_p50_s_now": now[3] if now else None}
+                "ttft_p50_s_now": now[3] if now else None, "client_cpu_cores_now": self.client.cores,
+                "client_bound": float(self.client.bound)}
 
     def plot(self, path: Path) -> bool:
         """Throughput and concurrency over the run as a PNG; False when the run was too short to plot."""

@@ -1,0 +1,135 @@
+"""generation.concurrency=auto over a family of simulated servers (bench/concurrency_sim.py), not one.
+
+Each grid point is an engine: knee position (4-256), sharpness (plateau / gentle / steep), diminishing returns from
+the start (bend early or late), answer lengths (50-4,000 tokens, long-tailed, short or long median), time to first
+token (0-3 s), noise (5% or 25%), and a knee that stays, doubles or halves mid-run (at 35% of the run); auto starts
+from nothing or from a misleading assessment. On each, auto and fixed levels beside it (a 2^(1/2) ladder around the
+knee, the knee and the moved knee) run the same simulated time (about 80 request lifetimes); the figures are auto's
+tok/s over the whole run and over its second half (steady) against the best fixed level of each. The worst point is
+printed first. The points are drawn by GRID_SEED; HELD_OUT_SEED chose, before any tuning, the points kept out of it
+(marked `held-out`, reported separately; docs/design/concurrency.md lists them). The issue's steep server (64 slots,
+(active/24)^2 past 24, 200-400 tokens, tok/s bending early) is point 0, over 45 s from nothing.
+
+`--controller gradient|aimd` runs instead the alternatives of bench/concurrency_alternatives.py (the same grid).
+
+    python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2] [--controller bracket|gradient|aimd]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+from multiprocessing import Pool
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench.concurrency_sim import Engine, run_length, simulate  # noqa: E402
+from drafter_data.generation.concurrency import LevelController  # noqa: E402
+
+GRID_SEED, HELD_OUT_SEED, POINTS, HELD_OUT = 2026, 30, 36, 8
+STEEP = Engine(knee=24, sharpness="steep", bend=3.8, token_s=0.000542, median_tokens=300, sigma=0.2, min_tokens=200,
+               max_tokens=400, slots=64, name="issue's steep server (45 s)")
+
+
+def grid() -> list[tuple[Engine, int | None, float]]:
+    """(engine, auto's start level or None, run seconds) per point; point 0 is the issue's steep server."""
+    rng = random.Random(GRID_SEED)
+    points = [(STEEP, None, 45.0)]
+    for i in range(POINTS):
+        knee = rng.choice([4, 6, 12, 24, 40, 64, 100, 160, 256])
+        sharp = ["plateau", "gentle", "steep"][i % 3]
+        bend = knee / 6 if rng.random() < 0.5 else 4 * knee
+        median = rng.choice([120, 400, 1000])
+        ttft = rng.choice([0.0, 0.3, 1.0, 3.0])
+        noise = rng.choice([0.05, 0.25])
+        move = rng.choice([None, None, 2.0, 0.5])
+        start = rng.choice([None, None, max(1, knee // 4), min(256, knee * 4)])
+        moved = None if move is None else max(2, min(256, round(knee * move)))
+        name = (f"knee {knee}{'->' + str(moved) if moved else ''} {sharp} bend {'early' if bend < knee else 'late'} "
+                f"{median} tok ttft {ttft:g} noise {noise:g} start {start or '-'}")
+        engine = Engine(knee=knee, sharpness=sharp, bend=bend, token_s=0.02 / math.sqrt(knee), ttft_s=ttft,
+                        median_tokens=median, sigma=1.0, noise=noise, move_at=0.35 if moved else None,
+                        moved_knee=moved, name=name)
+        points.append((engine, start, run_length(engine)))
+    return points
+
+
+def held_out() -> set[int]:
+    return set(random.Random(HELD_OUT_SEED).sample(range(1, POINTS + 1), HELD_OUT))
+
+
+def fixed_levels(engine: Engine) -> list[int]:
+    knees = [engine.knee] + ([engine.moved_knee] if engine.moved_knee else [])
+    ladder = {round(k * 2 ** (j / 2)) for k in knees for j in range(-4, 5)}
+    return sorted({min(256, max(1, lv)) for lv in ladder})
+
+
+def run_point(args) -> dict:
+    index, (engine, start, seconds), seed, kind = args
+    steps = int(min(12000, max(2000, seconds / 0.02)))
+    fixed = {lv: simulate(engine, lv, seconds, seed, steps=steps) for lv in fixed_levels(engine)}
+
+    def make(clock):
+        if kind == "bracket":
+            return LevelController.starting_at(start, 1, 256, clock=clock)
+        from bench.concurrency_alternatives import AimdLimiter, GradientLimiter
+
+        return {"gradient": GradientLimiter, "aimd": AimdLimiter}[kind](level=start or 4, low=1, high=256, clock=clock)
+
+    auto = simulate(engine, make, seconds, seed, steps=steps)
+    best_whole = max(fixed, key=lambda lv: fixed[lv].whole)
+    best_steady = max(fixed, key=lambda lv: fixed[lv].steady)
+    return {"index": index, "name": engine.name, "seed": seed, "seconds": seconds,
+            "whole": auto.whole / fixed[best_whole].whole, "steady": auto.steady / fixed[best_steady].steady,
+            "best_whole": best_whole, "best_steady": best_steady}
+
+
+def shortfall(r: dict) -> float:
+    """How far below its goal a point is: < 1 misses whole >= 0.9 or steady >= 0.95."""
+    return min(r["whole"] / 0.9, r["steady"] / 0.95)
+
+
+def show(rows: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'point':>5} {'seed':>4} {'whole':>6} {'steady':>6} {'best fixed':>10}  run s  server")
+    for r in sorted(rows, key=shortfall):
+        mark = "" if shortfall(r) >= 1 else "  <-- below goal"
+        print(f"{r['index']:>5} {r['seed']:>4} {r['whole']:6.3f} {r['steady']:6.3f} {r['best_whole']:>4}/{r['best_steady']:<5}"
+              f" {r['seconds']:6.0f}  {r['name']}{mark}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int, default=1, help="runs of every point (different seeds)")
+    parser.add_argument("--worst", type=int, default=6, help="points run three times more, worst first")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--only", type=int, nargs="*", help="these point indices")
+    parser.add_argument("--controller", default="bracket", choices=["bracket", "gradient", "aimd"])
+    args = parser.parse_args()
+    points, out = grid(), held_out()
+    chosen = args.only if args.only else range(len(points))
+    tasks = [(i, points[i], seed, args.controller) for i in chosen for seed in range(args.seeds)]
+    with Pool(args.jobs) as pool:
+        rows = pool.map(run_point, tasks)
+        tuned = [r for r in rows if r["index"] not in out]
+        show(tuned, "tuning points (worst first): auto / best fixed level, whole run and steady (second half)")
+        show([r for r in rows if r["index"] in out], f"held-out points {sorted(out)} (never tuned on)")
+        for label, part in (("tuning", tuned), ("held-out", [r for r in rows if r["index"] in out])):
+            if part:
+                print(f"{label}: worst whole {min(r['whole'] for r in part):.3f}, worst steady "
+                      f"{min(r['steady'] for r in part):.3f}, points below goal "
+                      f"{sum(shortfall(r) < 1 for r in part)}/{len(part)}")
+        if args.worst:
+            worst = sorted({r["index"] for r in sorted(rows, key=shortfall)[:args.worst]},
+                           key=lambda i: min(shortfall(r) for r in rows if r["index"] == i))
+            again = pool.map(run_point, [(i, points[i], 100 + k, args.controller) for i in worst for k in range(3)])
+            print("\nthe worst points, three more runs each (seeds 100-102):")
+            for i in worst:
+                runs = [r for r in again if r["index"] == i]
+                whole, steady = (", ".join(f"{r[k]:.3f}" for r in runs) for k in ("whole", "steady"))
+                print(f"{i:>5}{' (held-out)' if i in out else ''}: whole {whole}; steady {steady}  {runs[0]['name']}")
+
+
+if __name__ == "__main__":
+    main()
