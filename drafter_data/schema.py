@@ -38,6 +38,8 @@ class Source:
 
 @dataclass
 class LocalServer:
+    # llama-server (the embedded default) or vllm (experiment=vllm-local; drafter_data/server/vllm_local.py)
+    engine: str = ranged("llama-server", choices=("llama-server", "vllm"))
     binary: Optional[str] = None
     model_path: Optional[str] = None
     chat_template: Optional[str] = None
@@ -45,6 +47,13 @@ class LocalServer:
     context: int = ranged(32768, **POSITIVE)
     threads: int = ranged(2, **POSITIVE)
     startup_timeout_s: float = ranged(60.0, above=0)
+    # vllm only: its environment's Python (null: the one ./setup.sh --with-vllm installs), VLLM_CPU_KVCACHE_SPACE,
+    # --dtype, --reasoning-parser, and any further arguments
+    python: Optional[str] = None
+    kv_cache_gb: int = ranged(2, **POSITIVE)
+    dtype: str = "bfloat16"
+    reasoning_parser: Optional[str] = None
+    extra_args: List[str] = field(default_factory=list)
 
 
 @dataclass
