@@ -41,6 +41,11 @@ def convert(gguf: Path, template: Path, out: Path) -> None:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
+    # a plain bf16 checkpoint now: the GGUF-loading marks would send vLLM looking for a `gguf` quantization
+    model_config = json.loads((tmp / "config.json").read_text())
+    for key in ("quantization_config", "_model_name_or_path"):
+        model_config.pop(key, None)
+    (tmp / "config.json").write_text(json.dumps(model_config, indent=2, ensure_ascii=False))
     tokenizer.chat_template = template.read_text()
     tokenizer.save_pretrained(str(tmp))
     shutil.copyfile(template, tmp / "chat_template.jinja")
@@ -48,6 +53,8 @@ def convert(gguf: Path, template: Path, out: Path) -> None:
     config_path = tmp / "tokenizer_config.json"
     tok_config = json.loads(config_path.read_text())
     tok_config.update(add_bos_token=False, add_eos_token=False)
+    for key in ("is_local", "local_files_only"):
+        tok_config.pop(key, None)
     tok_config.pop("chat_template", None)  # chat_template.jinja is the one
     config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
     shutil.rmtree(out, ignore_errors=True)
