@@ -221,7 +221,10 @@ def server_command(local, model_alias: str, port: int) -> tuple[list[str], dict]
             raise StageError(problem)
     elif not (model / "config.json").is_file():
         raise StageError(f"server.local.model_path {model} is not a Hugging Face checkpoint (no config.json)")
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+    # group_guard: vLLM's EngineCore and resource tracker die with the stage too (the kernel's parent-death signal
+    # reaches only the process the stage started)
+    cmd = [str(python), str(Path(__file__).with_name("group_guard.py")),
+           str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", model_alias, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(local.get("context", 2048)), "--max-num-seqs", str(local.get("slots", 16)),
            "--dtype", str(local.get("dtype") or "bfloat16"), "--enforce-eager", "--disable-uvicorn-access-log"]
