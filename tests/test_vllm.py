@@ -45,9 +45,10 @@ MULTI = [["Let us plan a picnic.", "What food should we bring?", "And what drink
          ["What is rain?", "And snow?"],
          ["Teach me a word in French.", "Another one?", "Use both in a sentence."]]
 # A conversation goes on to its next turn only after an answer that ended (a length cut ends it): this base model
-# almost never samples <end_of_turn> (106) by itself, so it is pushed to: +22 ends about 3 answers in 4 here
-EOS_BIAS = "generation.logit_bias={106:22}"
-EXP_OVERRIDES = ["experiment=vllm-local", "generation.thinking_ratio=0.5", "prepare.turns=all", EOS_BIAS,
+# almost never samples <end_of_turn> (106) by itself, so it is pushed to: +22 ends about 3 answers in 4 here. Set in
+# the clone's experiment file: DVC's -S cannot set a mapping where the default is null.
+EOS_BIAS = "  logit_bias: {106: 22}\n"
+EXP_OVERRIDES = ["experiment=vllm-local", "generation.thinking_ratio=0.5", "prepare.turns=all",
                  "assess.concurrency=[16]", "assess.requests_per_level=16"]
 
 
@@ -78,11 +79,15 @@ def vllm_run(tmp_path_factory, mlflow_uri):
     tmp = tmp_path_factory.mktemp("vllm")
     repo = clone_repo(tmp / "repo")
     vllm_local.link(repo)  # models/gemma-3-270m-hf, as ./setup.sh --with-vllm links it in the repo it runs in
+    env = dvc_env(mlflow_uri)
+    experiment = repo / "conf" / "experiment" / "vllm-local.yaml"
+    experiment.write_text(experiment.read_text().replace("generation:\n", "generation:\n" + EOS_BIAS, 1))
+    assert EOS_BIAS in experiment.read_text()
+    subprocess.run(["git", "commit", "-qam", "EOS bias"], cwd=repo, env=env, check=True)
     single, multi = _write_prompts(tmp / "prompts")
     sources = sources_override(("single", single, "auto"), ("multi", multi, "auto"))
     # a free port: the configured one may be taken by a developer's own vLLM
     overrides = [*EXP_OVERRIDES, sources, f"server.base_url=http://127.0.0.1:{free_port()}/v1"]
-    env = dvc_env(mlflow_uri)
     started = time.monotonic()
     out = dvc(repo, env, "exp", "run", "-n", f"vllm-{uuid.uuid4().hex[:8]}",
               *[arg for o in overrides for arg in ("-S", o)], timeout=1500)
