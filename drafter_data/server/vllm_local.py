@@ -25,6 +25,7 @@ import tomllib
 from pathlib import Path
 
 from drafter_data.errors import StageError
+from drafter_data.server.cache import assemble_model, cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT_NAME = "gemma-3-270m-hf"
@@ -36,12 +37,6 @@ def pins() -> dict:
     """pyproject.toml's [tool.drafter-data.vllm]: package, version, torch, convert, remove."""
     with open(REPO / "pyproject.toml", "rb") as fh:
         return tomllib.load(fh)["tool"]["drafter-data"]["vllm"]
-
-
-def cache_dir() -> Path:
-    from drafter_data.server.local import cache_dir as base
-
-    return base()
 
 
 def env_dir() -> Path:
@@ -160,8 +155,6 @@ def checkpoint_problem(directory: Path | None = None) -> str | None:
 
 
 def convert() -> Path:
-    from drafter_data.server.local import assemble_model
-
     out = checkpoint_dir()
     if checkpoint_problem(out) is None:
         print(f"vLLM model: cached at {out}")
