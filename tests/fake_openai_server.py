@@ -62,6 +62,9 @@ Config keys (defaults in DEFAULTS; every addition is off by default, so the plai
                                with fewer tokens; an unknown model's 404 lists the "Valid aliases"; a request with
                                tools gets a 400 unless tool_call_parser is set (vLLM's --tool-call-parser)
   tool_call_parser None        (vllm_wire) the tool-call parser the server was started with
+  think_in_reasoning False     token-id modes: the model samples `<think>` halfway through its reasoning, and (as
+                               vLLM's text-based qwen3 reasoning parser does) its text is dropped from the reasoning
+                               while its id stays in token_ids (a chunk with an empty delta)
   tokenizer_dir <shared fixtures>/kimi-k2-tokenizer, chat_template None (-> tokenizer_dir/chat_template.jinja)
   split_token_every 0          k > 0 (token-id modes): for prompts with int(request_key, 16) % k == 0, one
                                multi-byte content token is sampled as several ids with the same bytes (text
@@ -158,6 +161,7 @@ DEFAULTS = {
     "split_token_every": 0,
     "vllm_wire": False,
     "tool_call_parser": None,
+    "think_in_reasoning": False,
 }
 
 REASONING_FIELD = {"reasoning_content": "reasoning_content", "reasoning": "reasoning", "inline": "content",
@@ -392,7 +396,11 @@ def id_answer(body: dict, cfg: dict, vocab: Vocab, thinking: bool, call: dict | 
     reasoning, content = expected(messages, cfg)
     steps: list[Step] = []
     if prompt.endswith("<think>"):
-        steps += vocab.text_steps(vocab.encode(reasoning if thinking else ""), REASONING_FIELD[style])
+        thought = vocab.text_steps(vocab.encode(reasoning if thinking else ""), REASONING_FIELD[style])
+        if cfg["think_in_reasoning"] and thought:
+            half = len(thought) // 2
+            thought = thought[:half] + vocab.marks("<think>") + thought[half:]
+        steps += thought
         end_think = vocab.special["</think>"]
         steps.append(Step("content", "</think>", (end_think,)) if style == "inline" else Step(None, "", (end_think,)))
     split_at = None

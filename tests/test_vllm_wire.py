@@ -11,6 +11,8 @@ against the real server): each shape taught to the fake (`vllm_wire`) and our cl
  7. an unknown model's 404 says "Valid aliases": a run-wide fault naming server.model
  8. tools need a tool-call parser (--tool-call-parser): without one a request with tools is a 400, reported with the
     flags that fix it
+ 9. the text-based qwen3 reasoning parser drops `<think>` text the model samples inside its reasoning; the ids keep
+    it: the row keeps both, and its drift is explained
 """
 import json
 import urllib.request
@@ -138,3 +140,22 @@ def test_8_tools_without_a_tool_call_parser_name_the_flags_that_fix_it(fake_serv
     fixed = fake_server({**WIRE, "tool_calls": True, "tool_call_parser": "hermes"})
     done = run(fixed, lambda c: complete(c, spec(), ASK, tools=TOOLS))
     assert done.finish_reason == "tool_calls" and done.tool_calls
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_9_think_text_the_reasoning_parser_dropped_stays_in_the_ids_and_counts_as_drift(fake_server, stream):
+    """vLLM's qwen3 reasoning parser removes `<think>` text the model samples inside its reasoning (the base Gemma
+    does, often); the sampled ids keep it. The completion keeps both as the server gave them, so the ids (what the
+    model really produced) go to training, and the row's text no longer tokenizes to them: drift, explained."""
+    from drafter_data.tokens.tokenizers import KimiTokenizer
+    from tests.conftest import KIMI_DIR
+
+    server = fake_server(ids_config("vllm", **WIRE, reasoning="reasoning", think_in_reasoning=True))
+    done = run(server, lambda c: complete(c, spec(token_ids_via="return_token_ids"), ASK, stream=stream))
+    tok = KimiTokenizer(KIMI_DIR)
+    think = tok.specials["<think>"]
+    assert done.completion_token_ids.count(think) == 1 and "<think>" not in done.reasoning
+    assert done.completion_token_ids == expected_ids(ASK, {"think_in_reasoning": True}, chat_template_kwargs=ON)
+    # the stored text, re-encoded, is not the sampled ids: exactly the <think> is missing
+    end_think = done.completion_token_ids.index(tok.specials["</think>"])
+    assert tok.encode_chat(done.reasoning) == [i for i in done.completion_token_ids[:end_think] if i != think]
