@@ -156,11 +156,16 @@ def checkpoint_problem(directory: Path | None = None) -> str | None:
 
 def convert() -> Path:
     out = checkpoint_dir()
+    template = REPO / "conf" / "templates" / "gemma3-270m.jinja"
     if checkpoint_problem(out) is None:
+        copy = out / "chat_template.jinja"
+        if copy.read_text() != template.read_text():  # the template changed: the copy follows, nothing else
+            shutil.copyfile(template, copy)
+            _write_sums(out, assemble_model())
+            print(f"vLLM model: {copy} updated from {template.relative_to(REPO)}")
         print(f"vLLM model: cached at {out}")
         return out
     gguf = assemble_model()
-    template = REPO / "conf" / "templates" / "gemma3-270m.jinja"
     started = time.monotonic()
     print(f"vLLM model: converting {gguf.name} to a Hugging Face checkpoint (about 1 min)", flush=True)
     env = {**os.environ, **offline_env()}
@@ -169,11 +174,15 @@ def convert() -> Path:
     if proc.returncode != 0:
         tail = [line for line in proc.stderr.splitlines() if line.strip()][-5:]
         raise StageError(f"vLLM model: converting {gguf} failed: {' | '.join(tail)}")
+    _write_sums(out, gguf)
+    print(f"vLLM model: {out} in {time.monotonic() - started:.0f} s")
+    return out
+
+
+def _write_sums(out: Path, gguf: Path) -> None:
     files = sorted(p for p in out.iterdir() if p.is_file() and p.name != SUMS)
     (out / SUMS).write_text("".join(f"{_sha256(p)}  {p.name}\n" for p in files)
                             + f"{_sha256(gguf)}  ../{gguf.name}\n")
-    print(f"vLLM model: {out} in {time.monotonic() - started:.0f} s")
-    return out
 
 
 def link(repo: Path = REPO) -> Path:
