@@ -8,12 +8,12 @@ stored:
   * our own render of each prompt (the checkpoint's chat_template.jinja, rendered here with jinja2, tokenized with
     its tokenizer.json) is vLLM's prompt ids: tokenize's prompt mismatch is 0;
   * the drift (rows whose answer text retokenizes to other ids than vLLM sampled) is measured and every drifting row
-    explained: the model sampled `<think>` inside its reasoning and vLLM's qwen3 reasoning parser dropped that text
-    (the ids keep it), or it sampled a non-canonical split of its own text;
+    explained by a cause checked on the row (drift_causes);
   * a generate SIGKILLed mid-run leaves no vLLM process behind, and its resume gives every (prompt, turn) once;
   * the wire facts the fake server (tests/fake_openai_server.py, `vllm_wire`) was taught are what this vLLM says
     (tests/test_vllm_wire.py checks the client against the fake on each).
-About 7-9 minutes on 2 cores: vLLM starts three times (assess, generate, the resumed generate), 50-100 s each.
+About 9 minutes on 2 cores (8m48s here; the exp run 276-304 s): vLLM starts four times (assess, generate, the killed
+and the resumed generate), 75-100 s each.
 """
 import json
 import os
