@@ -29,143 +29,163 @@ POSITIVE = {"low": 1}
 
 @dataclass
 class Source:
-    name: str = MISSING
-    path: str = MISSING
+    name: str = MISSING  # a short name: the rows' `source` column and the stats' key
+    path: str = MISSING  # the prompt file (JSON list or JSONL), absolute or from the repo root
+    # auto detects the container per file and the schema per record
     format: str = ranged("auto", choices=("auto", "jsonl", "sharegpt", "openai", "alpaca", "prompt"))
+    # at most this many prompts from this source, taken before prepare.sample
     quota: Optional[int] = ranged(None, low=0)
-    fields: Optional[Dict[str, str]] = None
+    fields: Optional[Dict[str, str]] = None  # our key names to the file's own, e.g. {prompt: query_text}
 
 
 @dataclass
 class LocalServer:
-    # llama-server (the embedded default) or vllm (experiment=vllm-local; drafter_data/server/vllm_local.py)
+    # llama-server (the embedded default) or vllm (experiment=vllm-local, installed by ./setup.sh --with-vllm)
     engine: str = ranged("llama-server", choices=("llama-server", "vllm"))
-    binary: Optional[str] = None
+    binary: Optional[str] = None  # llama-server to start; null: the one ./setup.sh built
+    # the GGUF (llama-server) or the checkpoint directory (vllm); null: the embedded Gemma 3 270M
     model_path: Optional[str] = None
-    chat_template: Optional[str] = None
-    slots: int = ranged(16, **POSITIVE)
-    context: int = ranged(32768, **POSITIVE)
-    threads: int = ranged(2, **POSITIVE)
-    startup_timeout_s: float = ranged(60.0, above=0)
-    # vllm only: its environment's Python (null: the one ./setup.sh --with-vllm installs), VLLM_CPU_KVCACHE_SPACE,
-    # --dtype, --reasoning-parser, and any further arguments
-    python: Optional[str] = None
-    kv_cache_gb: int = ranged(2, **POSITIVE)
-    dtype: str = "bfloat16"
-    reasoning_parser: Optional[str] = None
-    extra_args: List[str] = field(default_factory=list)
+    chat_template: Optional[str] = None  # the template the server renders with (it keys the completions)
+    slots: int = ranged(16, **POSITIVE)  # parallel sequences the server holds (vllm: --max-num-seqs)
+    context: int = ranged(32768, **POSITIVE)  # the whole context (llama-server: shared by its slots; vllm: per sequence)
+    threads: int = ranged(2, **POSITIVE)  # CPU threads the server uses
+    startup_timeout_s: float = ranged(60.0, above=0)  # how long the stage waits for it to answer
+    python: Optional[str] = None  # vllm: its environment's Python; null: the one ./setup.sh --with-vllm installs
+    kv_cache_gb: int = ranged(2, **POSITIVE)  # vllm: VLLM_CPU_KVCACHE_SPACE, the KV cache in GiB
+    dtype: str = "bfloat16"  # vllm: --dtype
+    reasoning_parser: Optional[str] = None  # vllm: --reasoning-parser (e.g. qwen3)
+    extra_args: List[str] = field(default_factory=list)  # vllm: further arguments, e.g. a --tool-call-parser
 
 
 @dataclass
 class Server:
+    # local: the stage starts and stops llama-server; remote: a server already running
     kind: str = ranged("remote", choices=("local", "remote"))
     base_url: Any = MISSING  # one URL or a list of URLs
-    model: str = MISSING
-    api_key_env: Optional[str] = None
+    model: str = MISSING  # the model name the server serves; answers naming another are refused
+    api_key_env: Optional[str] = None  # the environment variable holding the API key (never the key itself)
+    # one request's limit (a 16k-token answer at 20 tok/s takes 800 s)
     request_timeout_s: float = ranged(1800.0, above=0)
-    local: Optional[LocalServer] = None
+    local: Optional[LocalServer] = None  # the embedded server's settings (server=local)
 
 
 @dataclass
 class Target:
-    name: str = MISSING
-    tokenizer_dir: Optional[str] = None
+    name: str = MISSING  # the target's name, stored in every row and checked by tokenize
+    tokenizer_dir: Optional[str] = None  # the checkpoint directory with the tokenizer files and chat_template.jinja
+    # how the target tokenizes: kimi_tiktoken, hf_tokenizers, or the running server
     tokenizer: str = ranged(MISSING, choices=("kimi_tiktoken", "hf_tokenizers", "server"))
-    chat_template: Optional[str] = None
+    chat_template: Optional[str] = None  # a template file; null: tokenizer_dir/chat_template.jinja
+    # the template kwarg that switches thinking (thinking for Kimi, enable_thinking for Qwen)
     thinking_kwarg: str = MISSING
+    # kwargs every render and request gets, e.g. {preserve_thinking: true}
     template_kwargs: Dict[str, Any] = field(default_factory=dict)
-    assistant_header: str = MISSING
+    assistant_header: str = MISSING  # the text that opens an assistant turn in the template
+    # the id recorded as the mask token for DFlash (K2.6 has none: an unused reserved id)
     mask_token_id: Optional[int] = ranged(None, low=0)
+    # how the template wants tools declared (K2.6: TypeScript-style)
     tool_declarations: Optional[str] = ranged(None, choices=("kimi_typescript",))
+    # the share of rows whose sampled ids may differ from their retokenized text
     max_drift_rate: float = ranged(0.02, **SHARE)
 
 
 @dataclass
 class Generation:
-    thinking: bool = True
+    thinking: bool = True  # thinking mode on for every request
+    # instead: this share of prompts thinks (seeded by prompt_id), the rest does not
     thinking_ratio: Optional[float] = ranged(None, **SHARE)
+    # later turns send earlier answers without (drop) or with (keep) their reasoning
     history_reasoning: str = ranged("drop", choices=("drop", "keep"))
+    # keep the server's own token ids: auto when offered, on (required), off
     token_ids: str = ranged("auto", choices=("auto", "on", "off"))
-    max_tokens: int = ranged(MISSING, **POSITIVE)
-    temperature: float = ranged(MISSING, low=0.0, high=2.0)
-    top_p: float = ranged(1.0, above=0.0, high=1.0)
+    max_tokens: int = ranged(MISSING, **POSITIVE)  # the answer's limit in tokens, reasoning included
+    temperature: float = ranged(MISSING, low=0.0, high=2.0)  # sampling temperature
+    top_p: float = ranged(1.0, above=0.0, high=1.0)  # nucleus sampling
     concurrency: Any = 16  # requests in flight (>= 1) or "auto": checked in `check`
-    concurrency_min: int = ranged(1, **POSITIVE)
-    concurrency_max: int = ranged(256, **POSITIVE)
-    seed: Optional[int] = None
-    logit_bias: Optional[Dict[Any, float]] = None
+    concurrency_min: int = ranged(1, **POSITIVE)  # auto's lowest level
+    concurrency_max: int = ranged(256, **POSITIVE)  # auto's highest level (keep it near what the engine holds)
+    seed: Optional[int] = None  # sampling seed sent with each request (null: none)
+    logit_bias: Any = None  # {token id: bias}; Any, since OmegaConf cannot merge int-keyed dicts: checked in `check`
 
 
 @dataclass
 class Data:
+    # the prompt files: a list of {name, path, format, quota, fields}
     sources: List[Source] = field(default_factory=list)
-    sample: Optional[int] = ranged(None, low=0)
+    sample: Optional[int] = ranged(None, low=0)  # how many prompts to draw (null: all)
 
 
 @dataclass
 class Prepare:
     sources: List[Source] = field(default_factory=list)
-    output: str = MISSING
-    sample: Optional[int] = ranged(None, low=0)
-    seed: int = 0
+    output: str = MISSING  # where the prompt shards go
+    sample: Optional[int] = ranged(None, low=0)  # how many prompts to draw (null: all), after per-source quotas
+    seed: int = 0  # the sampling seed (the same sample on every machine)
+    # which turns of a conversation are asked: first, last (with the dataset's answers), all
     turns: str = ranged("first", choices=("first", "last", "all"))
-    max_prompt_chars: int = ranged(32768, **POSITIVE)
-    max_record_bytes: int = ranged(16777216, **POSITIVE)
+    max_prompt_chars: int = ranged(32768, **POSITIVE)  # longer prompts are dropped (too_long)
+    max_record_bytes: int = ranged(16777216, **POSITIVE)  # larger records are rejected without being held whole
+    # drop prompts longer than this for the target's tokenizer (null: no limit)
     max_prompt_tokens: Optional[int] = ranged(None, **POSITIVE)
-    shard_rows: int = ranged(100000, **POSITIVE)
-    workers: int = ranged(2, **POSITIVE)
-    split_mb: float = ranged(64.0, above=0)
-    fast_path: bool = True
+    shard_rows: int = ranged(100000, **POSITIVE)  # rows per Parquet shard
+    workers: int = ranged(2, **POSITIVE)  # processes for reading large files
+    split_mb: float = ranged(64.0, above=0)  # how much of a large JSONL file each worker reads at a time
+    fast_path: bool = True  # plain ShareGPT records skip the general path (same rows either way)
 
 
 @dataclass
 class Generate:
-    input: str = MISSING
-    output: str = MISSING
-    shard_rows: int = ranged(256, **POSITIVE)
-    server_down_timeout_s: float = ranged(600.0, low=0)
-    max_attempts: int = ranged(8, **POSITIVE)
+    input: str = MISSING  # prepare's prompt shards
+    output: str = MISSING  # where completions go (resumed, never overwritten)
+    shard_rows: int = ranged(256, **POSITIVE)  # rows per small shard (merged every 10 minutes and at the end)
+    server_down_timeout_s: float = ranged(600.0, low=0)  # how long a server that cannot be reached is waited for
+    max_attempts: int = ranged(8, **POSITIVE)  # tries of one request through passing faults
+    # broken connections one request may cause (a prompt that crashes the engine)
     max_connection_failures: int = ranged(6, **POSITIVE)
-    max_backoff_s: float = ranged(60.0, low=0)
+    max_backoff_s: float = ranged(60.0, low=0)  # the longest wait between retries
+    # run-wide faults in a row (bad key, unknown model) before the run stops
     max_run_wide_failures: int = ranged(5, **POSITIVE)
+    # requests failing for good in a row, none answered, before the run stops
     max_failed_in_a_row: int = ranged(10, **POSITIVE)
-    grace_period_s: float = ranged(300.0, low=0)
-    stream: bool = True
-    assessment: Optional[str] = None
+    grace_period_s: float = ranged(300.0, low=0)  # after Ctrl-C or SIGTERM, how long in-flight requests may finish
+    stream: bool = True  # stream answers (TTFT figures); false costs the client less CPU per token
+    assessment: Optional[str] = None  # assess's metrics.json: the ETA, the throughput check and auto's start
 
 
 @dataclass
 class Tokenize:
-    input: str = MISSING
-    output: str = MISSING
+    input: str = MISSING  # generate's completions
+    output: str = MISSING  # where the token shards and meta.json go (replaced whole)
     template_kwargs: Any = None  # a mapping added to target.template_kwargs; Any, so `={k: v}` may add new keys
-    max_length: int = ranged(16384, **POSITIVE)
-    overlength: str = ranged("truncate", choices=("drop", "truncate"))
-    on_length_finish: str = ranged("keep", choices=("keep", "drop"))
+    max_length: int = ranged(16384, **POSITIVE)  # longer rows are truncated or dropped (overlength)
+    overlength: str = ranged("truncate", choices=("drop", "truncate"))  # what happens to rows over max_length
+    on_length_finish: str = ranged("keep", choices=("keep", "drop"))  # keep or drop answers cut by max_tokens
+    # content spelling the mask token: encode it as text, or drop the row
     on_mask_token_text: str = ranged("escape", choices=("escape", "drop"))
-    rows: str = ranged("per_turn", choices=("per_turn", "conversation"))
-    max_drift_rate: float = ranged(0.02, **SHARE)
+    rows: str = ranged("per_turn", choices=("per_turn", "conversation"))  # one row per turn, or one per conversation
+    max_drift_rate: float = ranged(0.02, **SHARE)  # above it the stage exits 1 (default: the target's)
+    # share of prompts whose render differs from the server's prompt ids
     max_prompt_mismatch_rate: float = ranged(0.02, **SHARE)
-    max_drop_share: float = ranged(0.5, **SHARE)
-    shard_rows: int = ranged(2000, **POSITIVE)
-    workers: int = ranged(2, **POSITIVE)
+    max_drop_share: float = ranged(0.5, **SHARE)  # share of rows dropped above which the stage exits 1
+    shard_rows: int = ranged(2000, **POSITIVE)  # rows per token shard
+    workers: int = ranged(2, **POSITIVE)  # tokenizing processes
 
 
 @dataclass
 class Assess:
-    input: str = MISSING
-    output: str = MISSING
-    concurrency: List[int] = field(default_factory=lambda: [1, 4, 16])
-    requests_per_level: int = ranged(24, **POSITIVE)
-    max_tokens: int = ranged(MISSING, **POSITIVE)
-    num_completions: int = ranged(900000, **POSITIVE)
-    completion_tokens: int = ranged(2000, **POSITIVE)
+    input: str = MISSING  # prompts to measure with (prepare's; built-in ones when they run out)
+    output: str = MISSING  # metrics.json, report.md and plots
+    concurrency: List[int] = field(default_factory=lambda: [1, 4, 16])  # the levels measured
+    requests_per_level: int = ranged(24, **POSITIVE)  # requests measured at each level
+    max_tokens: int = ranged(MISSING, **POSITIVE)  # each measured answer's limit
+    num_completions: int = ranged(900000, **POSITIVE)  # the whole job projected: this many completions...
+    completion_tokens: int = ranged(2000, **POSITIVE)  # ...of this many tokens each
 
 
 @dataclass
 class Mlflow:
-    tracking_uri: Optional[str] = None
-    experiment: str = "drafter-data"
+    tracking_uri: Optional[str] = None  # null: mlflow.db at the repo root (or MLFLOW_TRACKING_URI)
+    experiment: str = "drafter-data"  # the MLflow experiment's name
 
 
 @dataclass
@@ -218,7 +238,28 @@ def one_line(exc: BaseException) -> str:
         exc = exc.__cause__
     key = getattr(exc, "full_key", None)
     text = " ".join((str(getattr(exc, "msg", None) or exc).split("\n    full_key:")[0]).split())
-    return f"{key}: {text}" if key and not text.startswith(str(key)) else text
+    line = f"{key}: {text}" if key and not text.startswith(str(key)) else text
+    allowed = _allowed(str(key)) if key else None
+    return f"{line}; give {key}=<{allowed}>" if allowed else line
+
+
+def _allowed(key: str) -> Optional[str]:
+    """What a key takes, in words, from its field's metadata (None for a key the schema does not range)."""
+    schema, meta = Config, None
+    for part in key.split("."):
+        match = next((f for f in fields(schema) if f.name == part), None) if schema is not None else None
+        if match is None:
+            return None
+        schema, meta = _dataclass_of(match.type), match.metadata
+    if not meta:
+        return None
+    if meta["choices"]:
+        return " | ".join(meta["choices"])
+    if meta["low"] == 0.0 and meta["high"] == 1.0:
+        return "a share from 0 to 1"
+    bounds = [f">= {meta['low']}" if meta["low"] is not None else "", f"> {meta['above']}" if meta["above"] is not None
+              else "", f"<= {meta['high']}" if meta["high"] is not None else ""]
+    return "a number " + " and ".join(b for b in bounds if b)
 
 
 def check(cfg) -> None:
@@ -234,10 +275,20 @@ def check(cfg) -> None:
                         f"{gen.concurrency_max}")
     if not cfg.assess.concurrency or any(c < 1 for c in cfg.assess.concurrency):
         problems.append(f"assess.concurrency={list(cfg.assess.concurrency)}: give levels of 1 or more")
+    bias = gen.logit_bias
+    if bias is not None and not (OmegaConf.is_dict(bias) and all(
+            str(k).lstrip("-").isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and -100 <= v <= 100 for k, v in bias.items())):
+        problems.append(f"generation.logit_bias={bias!r}: give a mapping of token id to a bias from -100 to 100, "
+                        f"e.g. {{106: 16}}, or null")
     extra = cfg.tokenize.template_kwargs
     if extra is not None and not OmegaConf.is_dict(extra):
         problems.append(f"tokenize.template_kwargs={extra!r}: give a mapping of kwargs, e.g. {{preserve_thinking: "
                         f"true}}, or null")
+    urls = cfg.server.base_url if OmegaConf.is_list(cfg.server.base_url) else [cfg.server.base_url]
+    if not urls or not all(isinstance(u, str) and u.lower().startswith(("http://", "https://")) for u in urls):
+        problems.append(f"server.base_url={_plain(cfg.server.base_url)!r}: give the server's http(s) URL (e.g. "
+                        f"http://host:8000/v1) or a list of them")
     if cfg.server.kind == "local" and cfg.server.local is None:
         problems.append("server.local: server.kind=local needs its settings (server=local)")
     if problems:
@@ -273,8 +324,12 @@ def _dataclass_of(annotation) -> Optional[type]:
 
 def _bad(key: str, value, meta: dict) -> list[str]:
     low, high, above, choices = meta["low"], meta["high"], meta["above"], meta["choices"]
+    if isinstance(value, float) and value != value:  # NaN passes every comparison
+        return [f"{key}=nan: give a number"]
     if choices is not None and value not in choices:
         return [f"{key}={value!r}: choose one of {', '.join(choices)}"]
+    if (low, high) == (0.0, 1.0) and not 0.0 <= value <= 1.0:
+        return [f"{key}={value!r}: give a share from 0 to 1"]
     if low is not None and value < low:
         return [f"{key}={value!r}: must be {low} or more"]
     if high is not None and value > high:
@@ -282,3 +337,7 @@ def _bad(key: str, value, meta: dict) -> list[str]:
     if above is not None and value <= above:
         return [f"{key}={value!r}: must be more than {above}"]
     return []
+
+
+def _plain(value):
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value

@@ -345,10 +345,17 @@ def check_reachable(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
     import urllib.error
     import urllib.request
 
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))  # urllib takes no user:password@
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
+        with urllib.request.urlopen(bare.rstrip("/") + "/health", timeout=timeout_s):
             return
-    except urllib.error.HTTPError:  # it answered (with an error status): it is there
+    except urllib.error.HTTPError as exc:  # it answered: it is there, unless it fails (MLflow would retry for minutes)
+        if exc.code >= 500:
+            raise ConnectionError(f"the tracking server {redact_url(uri)} answered HTTP {exc.code} ({exc.reason})") \
+                from None
         return
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)

@@ -92,9 +92,9 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     if runner.signal is not None:
         run.stopped_by_signal = True
         return 128 + int(runner.signal or signal.SIGINT)
-    if runner.c.errors > 1 and not runner.c.done:
-        raise StageError(f"all {runner.c.errors} requests of this run failed for good and none was answered "
-                         f"(reasons in {errors.path})")
+    if runner.c.errors and not runner.c.done:
+        what = "the one request" if runner.c.errors == 1 else f"all {runner.c.errors} requests"
+        raise StageError(f"{what} of this run failed for good and none was answered (reasons in {errors.path})")
     return 0
 
 
@@ -217,6 +217,13 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
         check = (f" (no answer finished with every slot busy, so no steady rate to check against the assessed "
                  f"{assessed:.1f})")
     lost = f" ({c.done - runner.saved} more answered but not saved)" if c.done > runner.saved else ""
+    if c.thinking_without_reasoning:
+        print(f"warning: {c.thinking_without_reasoning} of {c.done} answers asked to think came back without "
+              f"reasoning (kept; counted as thinking_without_reasoning in run.json): if that is most of them, the "
+              f"server's reasoning parser may be off", file=sys.stderr)
+    if c.unnamed_model:
+        print(f"warning: {c.unnamed_model} of {c.done} answers named no model, so nothing checked that they came "
+              f"from {runner.spec.model!r} (server.model)", file=sys.stderr)
     print(f"generate: {runner.saved} completions this run{lost} ({rows_total} rows in {out_dir}), {c.errors} failed "
           f"for good, {c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s{check}", file=sys.stderr)
 

@@ -13,6 +13,9 @@ Config keys (defaults in DEFAULTS; every addition is off by default, so the plai
   thinking_kwargs ["thinking", "enable_thinking"]  chat_template_kwargs keys read as the thinking switch, first
                                present wins; absent -> thinking off (no reasoning)
   ignore_thinking False        the switch is ignored: every answer thinks (a template that does not read it)
+  no_reasoning_on None         substring: thinking answers to prompts containing it come without reasoning (a
+                               model that answers some prompts straight away); words mode only
+  name_model True              False: answers name no model (an empty `model`, as some proxies send)
   answer_model None            answers name this model instead of the one asked for (a router falling back to
                                another model), for a share `answer_model_rate` 1.0 of them (seeded rng)
   max_model_len 0              >0: the context (prompt words + max_tokens): a request over it gets vLLM's 400, and
@@ -130,6 +133,8 @@ DEFAULTS = {
     "content_words": 6,
     "thinking_kwargs": ["thinking", "enable_thinking"],
     "ignore_thinking": False,
+    "no_reasoning_on": None,
+    "name_model": True,
     "answer_model": None,
     "answer_model_rate": 1.0,
     "max_model_len": 0,
@@ -371,7 +376,8 @@ def tool_call_steps(call: dict, width: int = 8) -> list[Step]:
 def word_answer(body: dict, cfg: dict, thinking: bool, call: dict | None) -> Answer:
     """Words as tokens (token_ids "none"): the plain behaviour."""
     messages = body["messages"]
-    r_words = words_for(messages, "r", cfg["reasoning_words"]) if thinking else []
+    straight = cfg["no_reasoning_on"] is not None and cfg["no_reasoning_on"] in str(messages[-1].get("content"))
+    r_words = words_for(messages, "r", cfg["reasoning_words"]) if thinking and not straight else []
     c_words = [] if call else words_for(messages, "c", cfg["content_words"])
     tokens = [("r", w) for w in r_words] + [("c", w) for w in c_words]
     steps = [Step(f, t) for f, t in word_pieces(tokens, cfg["reasoning"])]
@@ -550,7 +556,7 @@ class Reply:
             self.answer = answer.cut(few, "abort")
         self.stop = {"truncate": len(answer.steps) // 2, "stream_error": few}.get(fault)
         self.base = {"id": f"chatcmpl-{request_key(body['messages'])}", "created": int(time.time()),
-                     "model": model or body.get("model")}
+                     "model": (model or body.get("model")) if cfg["name_model"] else ""}
 
     def extras(self, ids) -> dict:
         """Per-choice id fields of a chunk (its ids) or of a whole response (all ids)."""

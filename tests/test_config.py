@@ -64,8 +64,11 @@ BAD_VALUES = [("generation.max_tokens=0", "generation.max_tokens=0: must be 1 or
               ("generation.max_tokens=-5", "generation.max_tokens=-5"),
               ("generation.temperature=-1", "generation.temperature=-1.0: must be 0.0 or more"),
               ("generation.top_p=7", "generation.top_p=7.0: must be 1.0 or less"),
-              ("generation.thinking_ratio=1.5", "generation.thinking_ratio=1.5: must be 1.0 or less"),
-              ("generation.thinking_ratio=-2", "generation.thinking_ratio=-2.0: must be 0.0 or more"),
+              ("generation.thinking_ratio=1.5", "generation.thinking_ratio=1.5: give a share from 0 to 1"),
+              ("generation.thinking_ratio=-2", "generation.thinking_ratio=-2.0: give a share from 0 to 1"),
+              ("generation.top_p=nan", "generation.top_p=nan: give a number"),
+              ("generation.logit_bias={106:500}", "generation.logit_bias={106: 500}: give a mapping of token id"),
+              ("tokenize.max_drift_rate=null", "tokenize.max_drift_rate=<a share from 0 to 1>"),
               ("generation.max_tokens=abc", "generation.max_tokens: Value 'abc'"),
               ("generation.concurrency=many", "generation.concurrency='many'"),
               ("prepare.turns=most", "prepare.turns='most': choose one of first, last, all"),
@@ -87,6 +90,15 @@ def test_a_wrong_type_range_or_key_is_one_line_naming_it_before_any_work(run_sta
     assert not (tmp_path / "p").exists() and not (tmp_path / "g").exists()
 
 
+@pytest.mark.parametrize("url", ["localhost:8000/v1", "[]"])
+def test_a_base_url_that_is_not_a_url_is_one_line(run_stage, tmp_path, url):
+    proc = run_stage("generate", "server=remote", f"server.base_url={url}", f"generate.output={tmp_path / 'g'}",
+                     check=False, timeout=60)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and "server.base_url=" in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "g").exists()
+
+
 def stage_in(directory):
     """A stage that does nothing once its config loaded, run in `directory` (its params.yaml), as DVC runs one."""
     return subprocess.run([sys.executable, "-c", "from drafter_data.config import run_stage; run_stage(lambda c: 0)"],
@@ -101,7 +113,8 @@ def test_a_params_yaml_with_a_wrong_value_is_refused_in_one_line(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     proc = stage_in(tmp_path)
     assert proc.returncode == 1 and proc.stderr.strip() == \
-        "error: generation.top_p: Value 'most' of type 'str' could not be converted to Float"
+        "error: generation.top_p: Value 'most' of type 'str' could not be converted to Float; give " \
+        "generation.top_p=<a number > 0.0 and <= 1.0>"
     params["generation"]["top_p"] = 1.0
     del params["generate"]["max_failed_in_a_row"]
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))

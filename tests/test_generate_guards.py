@@ -104,6 +104,35 @@ def test_a_streak_of_requests_failing_for_good_stops_the_run(run_stage, fake_ser
     assert prompt_requests(server) < 20 and len(errors(tmp_path / "out")) == 10
 
 
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_a_run_where_every_request_failed_for_good_is_not_green(run_stage, fake_server, tmp_path, prompts):
+    """One prompt (or two) whose request fails for good: nothing was made, so the run is not a success (a single
+    failure once ended with exit 0)."""
+    server = fake_server({"max_model_len": 4096, "hide_max_model_len": True})
+    write_prompts(tmp_path / "in", prompts)
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out",
+                                           "generation.max_tokens=8192"), check=False)
+    assert proc.returncode == 1 and "failed for good and none was answered" in last_line(proc), proc.stderr[-2000:]
+    assert len(errors(tmp_path / "out")) == prompts
+
+
+def test_thinking_answers_without_reasoning_and_answers_naming_no_model_are_counted_and_warned(run_stage,
+                                                                                              fake_server, tmp_path):
+    """Answers that name no model cannot be checked against server.model; thinking answers that came back without
+    reasoning are kept (some prompts need none) but neither may pass unnoticed: counted in run.json, warned once."""
+    server = fake_server({"name_model": False, "no_reasoning_on": "word1-"})
+    write_prompts(tmp_path / "in", 12)
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out"))
+    rows = read_rows(tmp_path / "out", "completions-")
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    straight = sum(not r["reasoning"] for r in rows)
+    assert 0 < straight < len(rows) == 12 and summary["thinking_without_reasoning"] == straight
+    assert summary["answers_naming_no_model"] == 12 and all(r["model"] is None for r in rows)
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert any(f"{straight} of 12 answers asked to think came back without reasoning" in w for w in warnings)
+    assert any("12 of 12 answers named no model" in w for w in warnings)
+
+
 def test_a_prompt_found_twice_in_the_input_is_generated_once(run_stage, fake_server, tmp_path):
     """Two copies of a prompt shard: every request was sent twice and tokenize made two rows of each."""
     server = fake_server()
@@ -139,7 +168,7 @@ def test_the_summary_counts_what_is_on_disk_when_the_last_write_fails(fake_serve
     assert summary.startswith("generate: 0 completions this run (5 more answered but not saved) (0 rows")
 
 
-def test_the_embedded_servers_chat_template_keys_its_completions(tmp_path):
+def test_the_embedded_servers_chat_template_and_weights_key_its_completions(tmp_path):
     """The template the stage starts llama-server with decides what the model sees: a changed template must not
     resume onto completions made with the old one. A server we do not start keeps the identity it always had."""
     import shutil as sh
@@ -156,6 +185,12 @@ def test_the_embedded_servers_chat_template_keys_its_completions(tmp_path):
     template.write_text(template.read_text() + "\n")
     changed = RequestSpec.from_config(compose([f"server.local.chat_template={template}"], root=REPO))
     assert local.identity("t") != changed.identity("t")
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(b"GGUF" + bytes(60))
+    first = RequestSpec.from_config(compose([f"server.local.model_path={weights}"], root=REPO))
+    weights.write_bytes(b"GGUF" + bytes(70))
+    other = RequestSpec.from_config(compose([f"server.local.model_path={weights}"], root=REPO))
+    assert first.identity("t") != other.identity("t") != local.identity("t")
     remote = RequestSpec.from_config(compose(["server=remote"], root=REPO))
     assert set(orjson.loads(remote.identity("t"))) == {"target", "model", "max_tokens", "temperature", "top_p",
                                                         "extra_body"}

@@ -87,7 +87,7 @@ def test_no_record_can_crash_the_run(run_stage, tmp_path):
         % BIG,
         '{"prompt": "fine"}',
     ]
-    expected = ["kept", "invalid_tools", "wrong_type", "invalid_json", "invalid_unicode", "invalid_unicode",
+    expected = ["kept", "invalid_tools", "object_content", "invalid_json", "invalid_unicode", "invalid_unicode",
                 "invalid_tools", "kept", "integer_out_of_range", "integer_out_of_range", "kept"]
     (tmp_path / "lines.jsonl").write_text("\n".join(records) + "\n")
     in_list = [r.replace('"prompt": "', '"prompt": "listed ') for r in records]  # not duplicates of the lines

@@ -200,6 +200,34 @@ def test_completions_sent_with_other_template_kwargs_are_refused(run_stage, tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_kwargs_are_checked_in_every_shard_and_mode(run_stage, tmp_path):
+    """Completions sent with the right kwargs in several shards and both thinking modes are all tokenized (a name
+    reused inside the check once turned the second shard's check into a false refusal); a wrong one in a later
+    shard is still refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    on = '{"preserve_thinking":true,"thinking":true}'
+    off = '{"preserve_thinking":true,"thinking":false}'
+    plain = lambda i: completion_row(f"n{i}", [{"role": "user", "content": f"q {i}"},  # noqa: E731
+                                               {"role": "assistant", "content": f"a {i}"}],
+                                     thinking=False, chat_template_kwargs=off)
+    shards = [kimi_thinking_rows(2, chat_template_kwargs=on), [plain(0), plain(1)],
+              [{**r, "prompt_id": r["prompt_id"] + "b"} for r in kimi_thinking_rows(2, chat_template_kwargs=on)]]
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for i, rows in enumerate(shards):
+        pq.write_table(pa.Table.from_pylist(rows), inp / f"completions-{i:05d}.parquet")
+    base = ["target=kimi-k2.6", f"target.tokenizer_dir={KIMI_DIR}", f"tokenize.input={inp}",
+            "generation.thinking_ratio=0.5"]
+    run_stage("tokenize", *base, f"tokenize.output={tmp_path / 'out'}")
+    assert len(read_rows(tmp_path / "out")) == 6
+    wrong = [{**r, "prompt_id": r["prompt_id"] + "c"} for r in kimi_thinking_rows(1, chat_template_kwargs=off)]
+    pq.write_table(pa.Table.from_pylist(wrong), inp / "completions-00003.parquet")
+    proc = run_stage("tokenize", *base, f"tokenize.output={tmp_path / 'out2'}", check=False)
+    assert proc.returncode == 1 and "sent with chat_template_kwargs" in proc.stderr.strip().splitlines()[-1]
+
+
 def test_a_row_found_twice_is_one_training_row_and_two_different_ones_are_refused(run_stage, tmp_path):
     """A completions shard copied (or a kill during an older generate's compaction) must not make two token rows
     of one (prompt_id, turn): identical copies are read once; two different answers to one request are refused."""

@@ -353,3 +353,36 @@ def test_a_tracking_server_that_never_answers_costs_a_stage_seconds_not_minutes(
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: MLflow")]
     assert len(warnings) == 1 and "did not answer within 5 s" in warnings[0]
     assert (tmp_path / "out" / "stats.json").exists()
+
+
+def test_a_tracking_server_answering_server_errors_costs_a_stage_seconds_too(run_stage, tmp_path):
+    """A tracking server that answers every call with HTTP 503 (a proxy in front of a dead MLflow): MLflow's own
+    retries would add minutes to every stage; it is asked once and the stage runs without tracking, warned once."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Failing(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        started = time.monotonic()
+        proc = run_stage("prepare", sources_override(("s", REPO / "data/sample_prompts/prompts.jsonl", "auto")),
+                         f"prepare.output={tmp_path / 'out'}",
+                         f"mlflow.tracking_uri=http://127.0.0.1:{server.server_address[1]}", timeout=300)
+        took = time.monotonic() - started
+    finally:
+        server.shutdown()
+    assert took < tracking.REACH_TIMEOUT_S + 30, took
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: MLflow")]
+    assert len(warnings) == 1 and "answered HTTP 503" in warnings[0], proc.stderr[-2000:]
+    assert (tmp_path / "out" / "stats.json").exists()

@@ -25,6 +25,8 @@ class Counters:
     stopped_at_length: int = 0  # conversations ended by a turn cut at max_tokens (its context would be cut)
     stopped_at_tool_call: int = 0  # conversations ended by a tool call (no tool is run)
     finished_length: int = 0  # rows cut by max_tokens
+    thinking_without_reasoning: int = 0  # thinking-on answers with no reasoning (kept: some prompts need none)
+    unnamed_model: int = 0  # answers that named no model, so nothing checked they came from server.model
     conversations: int = 0  # conversations settled in this run (every turn answered, or ended early)
     # answers that finished with every slot busy, and their seconds per slot (latency / level): the steady state,
     # as assess measures it (not the last requests' drain); Little's law gives their tok/s at the level
@@ -137,6 +139,8 @@ class Progress:
             "completions": self.c.done, "errors": self.c.errors, "retries": self.c.retries,
             "stopped_by_error": self.c.stopped_by_error, "stopped_at_length": self.c.stopped_at_length,
             "stopped_at_tool_call": self.c.stopped_at_tool_call,
+            "thinking_without_reasoning": self.c.thinking_without_reasoning,
+            "answers_naming_no_model": self.c.unnamed_model,
             "length_cut_share": self.c.finished_length / self.c.done if self.c.done else None,
             "output_tokens_per_s": self.tokens_per_s(),
             "requests_per_s": self.c.done / elapsed,

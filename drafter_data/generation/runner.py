@@ -205,6 +205,8 @@ class Runner:
         self.c.done += 1
         self.c.output_tokens += done.completion_tokens
         self.c.finished_length += done.finish_reason == "length"
+        self.c.thinking_without_reasoning += bool(conv.thinking and not done.reasoning)
+        self.c.unnamed_model += not done.model
         self.c.latencies.append(done.latency_s)
         self.count_if_steady(done)
         if done.ttft_s is not None:

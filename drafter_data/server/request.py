@@ -99,15 +99,25 @@ class RequestSpec:
 
 
 def local_template_hash(server) -> str | None:
-    """sha256 of server.local.chat_template for the embedded server (server.kind=local), else None."""
+    """For the embedded server (server.kind=local), what we start it with decides the answers: sha256 of
+    server.local.chat_template and the weights file's name and size (hashing gigabytes at every start would cost
+    minutes); else None."""
     local = server.get("local") if server.get("kind") == "local" else None
-    path = local.get("chat_template") if local else None
-    if not path:
+    if not local:
         return None
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError as exc:
-        raise StageError(f"cannot read server.local.chat_template {path}: {exc.strerror or exc}") from None
+    from drafter_data.server.local import default_model_path
+
+    parts = []
+    if local.get("chat_template"):
+        try:
+            parts.append(hashlib.sha256(Path(local.chat_template).read_bytes()).hexdigest())
+        except OSError as exc:
+            raise StageError(f"cannot read server.local.chat_template {local.chat_template}: "
+                             f"{exc.strerror or exc}") from None
+    weights = Path(local.get("model_path") or default_model_path())
+    size = weights.stat().st_size if weights.exists() else "absent"
+    parts.append(f"weights={weights.name}:{size}")
+    return " ".join(parts)
 
 
 def token_id_mode(value) -> str:

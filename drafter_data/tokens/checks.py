@@ -56,13 +56,13 @@ def check_consistency(paths: list[Path], cfg) -> None:
     kwargs than tokenize would render them with (rows of older releases, which did not store them, are not
     checked)."""
     mixed = cfg.generation.get("thinking_ratio") is not None
-    expected = {mode: kwargs_text(render_kwargs(cfg, mode)) for mode in (True, False)}
+    rendered_with = {mode: kwargs_text(render_kwargs(cfg, mode)) for mode in (True, False)}
     for path in paths:
         names = set(pq.read_schema(path).names)
         if "chat_template_kwargs" in names:
             sent = pq.ParquetFile(path).read(columns=["thinking", "chat_template_kwargs"], use_threads=False)
             for pair in sent.group_by(["thinking", "chat_template_kwargs"]).aggregate([]).to_pylist():
-                want = expected[bool(pair["thinking"])]
+                want = rendered_with[bool(pair["thinking"])]
                 if pair["chat_template_kwargs"] is not None and pair["chat_template_kwargs"] != want:
                     raise StageError(f"completions in {cfg.tokenize.input} were sent with chat_template_kwargs "
                                      f"{pair['chat_template_kwargs']}, but tokenize would render them with {want} "
@@ -71,11 +71,11 @@ def check_consistency(paths: list[Path], cfg) -> None:
         checks = [("target", cfg.target.name, "target")]
         if not mixed:
             checks.append(("thinking", bool(cfg.generation.thinking), "generation.thinking"))
-        for column, expected, what in checks:
+        for column, this_run, what in checks:
             seen = _unique(path, column) if column in names else set()
-            if seen - {expected}:
+            if seen - {this_run}:
                 raise StageError(f"completions in {cfg.tokenize.input} were generated with {column}={sorted(seen)}, "
-                                 f"but this run has {what}={expected}; tokenize them with the same setting")
+                                 f"but this run has {what}={this_run}; tokenize them with the same setting")
 
 
 def check_output_dir(out_dir: Path, protected: dict[str, Path | None]) -> None:
