@@ -10,10 +10,10 @@ stored:
   * the drift (rows whose answer text retokenizes to other ids than vLLM sampled) is measured and every drifting row
     explained by a cause checked on the row (drift_causes);
   * a generate SIGKILLed mid-run leaves no vLLM process behind, and its resume gives every (prompt, turn) once;
-  * the wire facts the fake server (tests/fake_openai_server.py, `vllm_wire`) was taught are what this vLLM says
-    (tests/test_vllm_wire.py checks the client against the fake on each).
-About 9 minutes on 2 cores (8m48s here; the exp run 276-304 s): vLLM starts four times (assess, generate, the killed
-and the resumed generate), 75-100 s each.
+  * the stages run on what this vLLM really sends; the shapes it was seen to send that the fake server did not are
+    taught to the fake (`vllm_wire`) and checked fast, one test each, in tests/test_vllm_wire.py (not re-probed here).
+About 4-9 minutes on 2 cores (4m10s to 8m56s here; the exp run 147-304 s): vLLM starts four times
+(assess, generate, the killed and the resumed generate), 75-100 s each.
 """
 import json
 import os
