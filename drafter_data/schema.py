@@ -40,13 +40,21 @@ class Source:
 
 @dataclass
 class LocalServer:
+    # llama-server (the embedded default) or vllm (experiment=vllm-local, installed by ./setup.sh --with-vllm)
+    engine: str = ranged("llama-server", choices=("llama-server", "vllm"))
     binary: Optional[str] = None  # llama-server to start; null: the one ./setup.sh built
-    model_path: Optional[str] = None  # the GGUF; null: the embedded Gemma 3 270M
-    chat_template: Optional[str] = None  # the template llama-server renders with (it keys the completions)
-    slots: int = ranged(16, **POSITIVE)  # parallel sequences llama-server holds
-    context: int = ranged(32768, **POSITIVE)  # llama-server's whole context, shared by its slots
-    threads: int = ranged(2, **POSITIVE)  # CPU threads llama-server uses
+    # the GGUF (llama-server) or the checkpoint directory (vllm); null: the embedded Gemma 3 270M
+    model_path: Optional[str] = None
+    chat_template: Optional[str] = None  # the template the server renders with (it keys the completions)
+    slots: int = ranged(16, **POSITIVE)  # parallel sequences the server holds (vllm: --max-num-seqs)
+    context: int = ranged(32768, **POSITIVE)  # the whole context (llama-server: shared by its slots; vllm: per sequence)
+    threads: int = ranged(2, **POSITIVE)  # CPU threads the server uses
     startup_timeout_s: float = ranged(60.0, above=0)  # how long the stage waits for it to answer
+    python: Optional[str] = None  # vllm: its environment's Python; null: the one ./setup.sh --with-vllm installs
+    kv_cache_gb: int = ranged(2, **POSITIVE)  # vllm: VLLM_CPU_KVCACHE_SPACE, the KV cache in GiB
+    dtype: str = "bfloat16"  # vllm: --dtype
+    reasoning_parser: Optional[str] = None  # vllm: --reasoning-parser (e.g. qwen3)
+    extra_args: List[str] = field(default_factory=list)  # vllm: further arguments, e.g. a --tool-call-parser
 
 
 @dataclass

@@ -59,6 +59,19 @@ Config keys (defaults in DEFAULTS; every addition is off by default, so the plai
                                llama-server's streamed logprobs leave out EOS (usage still counts it)
   engine "none"                which engine-only endpoint answers: "vllm" GET /version, "sglang" GET /server_info,
                                "llama" GET /props (all others 404)
+  vllm_wire False               True: the shapes a real vLLM 0.32 sends (checked against one by tests/test_vllm.py):
+                               the first chunk's content is "" (not null); finish_reason "length" comes on the last
+                               token's chunk, a stop by EOS in a chunk of its own with content "", the EOS id and
+                               `stop_reason` (the id); an answer that only thought has content null; usage carries
+                               completion_tokens_details.reasoning_tokens; GET /v1/models adds `root`; max_tokens over
+                               max_model_len is a 400 (param max_tokens), a prompt over it a 400 even when streamed
+                               (param input_tokens), a prompt that fits with max_tokens over the rest is answered
+                               with fewer tokens; an unknown model's 404 lists the "Valid aliases"; a request with
+                               tools gets a 400 unless tool_call_parser is set (vLLM's --tool-call-parser)
+  tool_call_parser None        (vllm_wire) the tool-call parser the server was started with
+  think_in_reasoning False     token-id modes: the model samples `<think>` halfway through its reasoning, and (as
+                               vLLM's text-based qwen3 reasoning parser does) its text is dropped from the reasoning
+                               while its id stays in token_ids (a chunk with an empty delta)
   tokenizer_dir <shared fixtures>/kimi-k2-tokenizer, chat_template None (-> tokenizer_dir/chat_template.jinja)
   split_token_every 0          k > 0 (token-id modes): for prompts with int(request_key, 16) % k == 0, one
                                multi-byte content token is sampled as several ids with the same bytes (text
@@ -157,6 +170,9 @@ DEFAULTS = {
     "tokenizer_dir": str(DEFAULT_TOKENIZER_DIR),
     "chat_template": None,
     "split_token_every": 0,
+    "vllm_wire": False,
+    "tool_call_parser": None,
+    "think_in_reasoning": False,
 }
 
 REASONING_FIELD = {"reasoning_content": "reasoning_content", "reasoning": "reasoning", "inline": "content",
@@ -165,6 +181,7 @@ GENERATION_ERROR = {"error": {"message": "Internal server error", "type": "Inter
                               "code": 500}}
 SGLANG_NO_STREAMED_IDS = ("return_token_ids is not supported with streaming on /v1/chat/completions. Please set "
                           "stream=false when using return_token_ids=true.")
+VLLM_TOOLS_NEED_PARSER = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 FEW_TOKENS = 3  # abort / stream_error come after this many tokens (at most half the answer)
 
 
@@ -399,7 +416,11 @@ def id_answer(body: dict, cfg: dict, vocab: Vocab, thinking: bool, call: dict | 
     reasoning, content = expected(messages, cfg)
     steps: list[Step] = []
     if prompt.endswith("<think>"):
-        steps += vocab.text_steps(vocab.encode(reasoning if thinking else ""), REASONING_FIELD[style])
+        thought = vocab.text_steps(vocab.encode(reasoning if thinking else ""), REASONING_FIELD[style])
+        if cfg["think_in_reasoning"] and thought:
+            half = len(thought) // 2
+            thought = thought[:half] + vocab.marks("<think>") + thought[half:]
+        steps += thought
         end_think = vocab.special["</think>"]
         steps.append(Step("content", "</think>", (end_think,)) if style == "inline" else Step(None, "", (end_think,)))
     split_at = None
@@ -453,9 +474,11 @@ def step_delta(step: Step, call: dict | None) -> dict:
     return {step.field: step.text} if step.field and step.text else {}
 
 
-def message_of(answer: Answer) -> dict:
-    """The non-streaming message: what the stream's deltas add up to."""
+def message_of(answer: Answer, vllm_wire: bool = False) -> dict:
+    """The non-streaming message: what the stream's deltas add up to (vLLM: content null when it only thought)."""
     message = {"role": "assistant", "content": answer.text("content")}
+    if vllm_wire and not message["content"] and reasoning_steps(answer):
+        message["content"] = None
     for fld in ("reasoning_content", "reasoning"):
         if text := answer.text(fld):
             message[fld] = text
@@ -466,9 +489,17 @@ def message_of(answer: Answer) -> dict:
     return message
 
 
-def usage_of(answer: Answer) -> dict:
-    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
-            "total_tokens": answer.prompt_tokens + answer.completion_tokens}
+def reasoning_steps(answer: Answer) -> int:
+    return sum(1 for s in answer.steps if s.field in ("reasoning_content", "reasoning"))
+
+
+def usage_of(answer: Answer, vllm_wire: bool = False) -> dict:
+    usage = {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
+             "total_tokens": answer.prompt_tokens + answer.completion_tokens}
+    if vllm_wire:
+        usage.update(prompt_tokens_details=None,
+                     completion_tokens_details={"reasoning_tokens": reasoning_steps(answer)})
+    return usage
 
 
 def error_body(message: str, type_: str, code, param=None) -> dict:
@@ -532,6 +563,8 @@ class Reply:
         self.body, self.answer, self.fault, self.vocab = body, answer, fault, vocab
         self.show = shown_ids(body, cfg)
         self.drop_end_ids = bool(cfg["drop_end_ids"])
+        self.vllm_wire = bool(cfg["vllm_wire"])
+        self.finished_early = False  # vllm_wire: finish_reason length went out on the last token's chunk
         few = min(FEW_TOKENS, len(answer.steps) // 2)
         if fault == "abort":
             self.answer = answer.cut(few, "abort")
@@ -569,30 +602,45 @@ class Reply:
 
     def first_chunk(self) -> dict:
         top = self.top_extras(streamed=True) if self.show == "token_ids" else {}
-        return self.chunk({"role": "assistant", "content": None}, **top)
+        return self.chunk({"role": "assistant", "content": "" if self.vllm_wire else None}, **top)
 
     def finish_chunk(self) -> dict:
         top = self.top_extras(streamed=True) if self.show == "verbose" else {}
         end_ids = [] if self.drop_end_ids else self.answer.end_ids
-        return self.chunk({}, end_ids, self.answer.finish, **top)
+        if not self.vllm_wire:
+            return self.chunk({}, end_ids, self.answer.finish, **top)
+        chunk = self.chunk({"content": ""} if end_ids else {}, end_ids, self.answer.finish, **top)
+        chunk["choices"][0]["stop_reason"] = self.stop_reason()
+        return chunk
+
+    def stop_reason(self):
+        """vLLM's stop_reason: the EOS id it stopped on, else null."""
+        return self.answer.end_ids[-1] if self.answer.finish == "stop" and self.answer.end_ids else None
 
     def ids_shown(self) -> list[int]:
         """The whole answer's ids as shown (the stop token left out with drop_end_ids)."""
         ids = self.answer.ids
         return ids[:len(ids) - len(self.answer.end_ids)] if self.drop_end_ids else ids
 
-    def step_chunk(self, step: Step) -> dict | None:
+    def step_chunk(self, step: Step, last: bool = False) -> dict | None:
         delta = step_delta(step, self.answer.tool_call)
+        if last and self.vllm_wire and self.answer.finish == "length" and not self.answer.end_ids:
+            self.finished_early = True  # vLLM: the cut comes on the last token's own chunk
+            chunk = self.chunk(delta, step.ids, "length")
+            chunk["choices"][0]["stop_reason"] = None
+            return chunk
         return self.chunk(delta, step.ids) if delta or (self.show and step.ids) else None
 
     def completion(self) -> dict:
         answer = self.answer
-        choice = {"index": 0, "message": message_of(answer), "finish_reason": answer.finish,
+        choice = {"index": 0, "message": message_of(answer, self.vllm_wire), "finish_reason": answer.finish,
                   **self.extras(self.ids_shown())}
+        if self.vllm_wire:
+            choice["stop_reason"] = self.stop_reason()
         if self.show == "sglang_token_ids":
             choice.update(prompt_token_ids=answer.prompt_ids, response_token_ids=self.ids_shown())
-        return {**self.base, "object": "chat.completion", **self.top_extras(streamed=False), "usage": usage_of(answer),
-                "choices": [choice]}
+        return {**self.base, "object": "chat.completion", **self.top_extras(streamed=False),
+                "usage": usage_of(answer, self.vllm_wire), "choices": [choice]}
 
 
 # --- the server ---------------------------------------------------------------------------------------------------
@@ -668,8 +716,27 @@ class FakeServer:
             return web.json_response({"object": "error", "message": SGLANG_NO_STREAMED_IDS, "type": "BadRequest",
                                       "param": None, "code": 400}, status=400)
         if self.cfg["check_model"] and body.get("model") not in self.cfg["models"]:
-            return web.json_response(error_body(f"The model `{body.get('model')}` does not exist.", "NotFoundError",
-                                                404, "model"), status=404)
+            aliases = f" Valid aliases: {', '.join(self.cfg['models'])}." if self.cfg["vllm_wire"] else ""
+            return web.json_response(error_body(f"The model `{body.get('model')}` does not exist.{aliases}",
+                                                "NotFoundError", 404, "model"), status=404)
+        if self.cfg["vllm_wire"] and body.get("tools") and not self.cfg["tool_call_parser"]:
+            return web.json_response(error_body(VLLM_TOOLS_NEED_PARSER, "BadRequestError", 400), status=400)
+        return None
+
+    @staticmethod
+    def _vllm_length_refusal(context: int, words: int, asked: int) -> web.Response | None:
+        """vLLM 0.32: max_tokens over max_model_len, or a prompt that alone fills the context, is a 400 (streamed
+        requests too); a prompt that fits is answered with at most the rest of the context."""
+        if asked > context:
+            return web.json_response(error_body(
+                f"max_tokens={asked} cannot be greater than max_model_len={context}. Please request fewer output "
+                f"tokens. (parameter=max_tokens, value={asked})", "BadRequestError", 400, "max_tokens"), status=400)
+        if words >= context:
+            return web.json_response(error_body(
+                f"This model's maximum context length is {context} tokens. However, your prompt contains at least "
+                f"{context + 1} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                f"the length of the input prompt. (parameter=input_tokens, value={context + 1})", "BadRequestError",
+                400, "input_tokens"), status=400)
         return None
 
     def _pick_fault(self) -> str | None:
@@ -751,6 +818,8 @@ class FakeServer:
             return web.json_response({"detail": "Not Found"}, status=404)
         shown = self.cfg["max_model_len"] and not self.cfg["hide_max_model_len"]
         length = {"max_model_len": self.cfg["max_model_len"]} if shown else {}
+        if self.cfg["vllm_wire"]:
+            length.update(root=f"/models/{self.cfg['models'][0]}", parent=None)
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "fake", **length}
                                                               for m in self.cfg["models"]]})
 
@@ -780,7 +849,11 @@ class FakeServer:
         if limit and words > limit:
             return await self._context_error(request, body, words)
         context, asked = self.cfg["max_model_len"], int(body.get("max_tokens") or 0)
-        if context and words + asked > context:
+        if context and self.cfg["vllm_wire"]:
+            if refused := self._vllm_length_refusal(context, words, asked):
+                return refused
+            body = {**body, "max_tokens": min(asked or context, context - words)}  # the rest of the context
+        elif context and words + asked > context:
             return web.json_response(error_body(
                 f"This model's maximum context length is {context} tokens. However, you requested {words + asked} "
                 f"tokens ({words} in the messages, {asked} in the completion). Please reduce the length of the "
@@ -846,11 +919,12 @@ class FakeServer:
         sse = SSE(resp, buffered=not self.cfg["token_delay_s"])
         try:
             await sse.send(reply.first_chunk())
+            last = len(reply.answer.steps) - 1
             for i, step in enumerate(reply.answer.steps):
                 if i == reply.stop:
                     break
                 await self._tick(flight, sleep=not sse.buffered)
-                if (chunk := reply.step_chunk(step)) is not None:
+                if (chunk := reply.step_chunk(step, last=i == last and reply.stop is None)) is not None:
                     await sse.send(chunk)
             await self._stream_end(request, reply, sse)
         except (Crashed, ConnectionResetError):
@@ -866,13 +940,14 @@ class FakeServer:
             await sse.send(GENERATION_ERROR)
         else:
             answer = reply.answer
-            await sse.send(reply.finish_chunk())
+            if not reply.finished_early:
+                await sse.send(reply.finish_chunk())
             if reply.show == "sglext":
                 await sse.send({**reply.base, "object": "chat.completion.chunk", "choices": [], "usage": None,
                                 "sglext": reply.sglext()})
             if (reply.body.get("stream_options") or {}).get("include_usage") and not self.cfg["no_usage"]:
                 await sse.send({**reply.base, "object": "chat.completion.chunk", "choices": [],
-                                "usage": usage_of(answer)})
+                                "usage": usage_of(answer, reply.vllm_wire)})
         await sse.send("[DONE]")
         await sse.flush()
         if reply.fault not in ("abort", "stream_error"):

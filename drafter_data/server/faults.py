@@ -96,6 +96,9 @@ def by_status(status: int | None, what: str, exc: openai.APIError, retry_after: 
     """An error the server answered, by its status code (HTTP, or the `code` of an in-stream error)."""
     message = error_message(exc)
     reason = f"{what}: {message}"
+    if status == 400 and "--tool-call-parser" in message:  # vLLM started without a tool-call parser
+        reason += ("; this prompt declares tools: start vLLM with --enable-auto-tool-choice --tool-call-parser <the "
+                   "model's> (experiment=vllm-local: server.local.extra_args), or leave prompts with tools out")
     if status in (401, 403):
         return Fault("run_wide", rejected_key_reason(status, message, exc.request), answered=True)
     if status == 404:

