@@ -25,7 +25,8 @@ from drafter_data.errors import StageError
 from drafter_data.export.build import CONVERSATIONS, PRETOKENIZED, export_rows, summary
 from drafter_data.export.card import write_card
 from drafter_data.export.figures import draw
-from drafter_data.export.inputs import CompletionIndex, check_source, completion_shards, read_meta, token_shards
+from drafter_data.export.inputs import (CompletionIndex, check_shards, check_source, completion_shards, read_meta,
+                                        token_shards)
 from drafter_data.outputs import StagedOutputDir
 from drafter_data.tokens.conversation import ConversationTokenizer
 from drafter_data.tokens.tokenizers import load_tokenizer
@@ -53,6 +54,7 @@ def main(cfg) -> int:
     tokens_dir, completions_dir, out = Path(ecfg.input), Path(ecfg.completions), Path(ecfg.output)
     meta = read_meta(tokens_dir)
     token_paths = token_shards(tokens_dir)
+    check_shards(meta, token_paths, tokens_dir)
     completion_paths = completion_shards(completions_dir)
     digest = check_source(meta, completion_paths, tokens_dir, completions_dir)
     if meta["target"] != cfg.target.name:

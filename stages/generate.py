@@ -198,7 +198,9 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
                "client_bound": runner.progress.client.ever_bound,
                **({"client_limit": CLIENT_WAY_PAST} if runner.progress.client.ever_bound else {}),
                "stale_moved": plan.stale_rows, "restored": plan.restored_rows,
-               "quarantined_shards": len(plan.broken), "stopped_reason": runner.fatal}
+               "quarantined_shards": len(plan.broken), "stopped_reason": runner.fatal,
+               # conversations this run was to settle and did not (stopped, killed): tokenize warns of them
+               "conversations_left": max(0, runner.progress.total - runner.c.conversations)}
     try:
         (out_dir / "run.json").write_text(json.dumps(summary, indent=2))
     except OSError as exc:

@@ -38,7 +38,7 @@ from drafter_data.tokens.checks import (OUTPUT_MARKERS, check_consistency, check
                                         render_kwargs, result_problems)
 from drafter_data.tokens.lengths import LengthHistograms
 from drafter_data.tokens.regroup import partition_by_conversation
-from drafter_data.tokens.source_digest import DIGEST_KEY, completions_digest
+from drafter_data.tokens.source_digest import DIGEST_KEY, SHARDS_KEY, completions_digest, shard_digests
 from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
 from drafter_data.tokens.rows import (first_examples, init_worker, tokenize_task, worker_conversation,
                                       worker_settings_loaded)
@@ -53,6 +53,7 @@ def main(cfg) -> int:
     in_paths = input_shards(Path(tcfg.input))
     check_policies(tcfg)
     check_consistency(in_paths, cfg)
+    warn_if_generate_did_not_finish(Path(tcfg.input))
     skips = repeated_rows(in_paths)  # a row found twice is read once; two different ones are refused here
     source = {DIGEST_KEY: completions_digest(in_paths)}  # which completions these tokens are (export checks it)
     protected = protected_paths(cfg)
@@ -89,6 +90,7 @@ def finish(cfg, run, staged: StagedOutputDir, meta: dict, speed: dict, lengths) 
                                float(tcfg.max_prompt_mismatch_rate))
     if problems:
         meta = {**meta, "refused": problems}
+    meta[SHARDS_KEY] = shard_digests(list(staged.path.glob("tokens-*.parquet")))
     (staged.path / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
     out_dir = staged.commit()
     print("\n".join(summary_lines(meta, speed, out_dir, float(tcfg.max_drift_rate),
@@ -97,6 +99,22 @@ def finish(cfg, run, staged: StagedOutputDir, meta: dict, speed: dict, lengths) 
             estimated_reasoning=getattr(worker_conversation().tokenizer, "think_end_id", None) is None)
     if problems:
         raise StageError("; ".join(problems) + f" (details in {out_dir / 'meta.json'})")
+
+
+def warn_if_generate_did_not_finish(directory: Path) -> None:
+    """Under DVC tokenize runs only after generate succeeded; run by hand it may be given the completions of a run
+    that stopped or was killed: that is allowed (to look at a run in progress), never unnoticed."""
+    try:
+        summary = json.loads((directory / "run.json").read_text())
+    except (OSError, ValueError):
+        print(f"warning: {directory} has no readable run.json: the generate run that made it may not have finished "
+              f"(stopped or killed); these tokens are then of part of the prompts", file=sys.stderr)
+        return
+    left, failed, why = summary.get("conversations_left"), summary.get("failed_total"), summary.get("stopped_reason")
+    if why or left or failed:
+        print(f"warning: the generate run in {directory} did not finish: {left or 0} conversations left undone, "
+              f"{failed or 0} failed for good{f' (it stopped: {why})' if why else ''}; these tokens are of part of "
+              f"the prompts (re-run generate to finish it)", file=sys.stderr)
 
 
 def input_shards(directory: Path) -> list[Path]:

@@ -430,3 +430,36 @@ def test_the_cards_input_md5_is_dvcs(made, tmp_path):
     assert run(export_overrides(tokens, completions, out), env).returncode == 0
     card = (out / "README.md").read_text()
     assert f"{dvc_dir_md5(tokens)} (not in dvc.lock)" in card and "not recorded for these completions" in card
+
+
+def test_token_shards_that_are_not_the_ones_meta_json_describes_are_refused(made, tmp_path):
+    """A shard copied in (every row exported twice), one missing (an export silently short) or one from another
+    tokenize run (its rows described by this run's meta.json): each was exit 0; now one line, nothing in place."""
+    import shutil
+
+    base, completions, tokens, env = made
+    split = tmp_path / "split"
+    proc = run([*kimi_overrides(completions, split), "tokenize.max_drift_rate=0.5", "tokenize.shard_rows=3",
+                "tokenize.workers=1"], env, "tokenize")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shards = sorted(split.glob("tokens-*.parquet"))
+    assert len(shards) >= 2
+    other = tmp_path / "other"
+    proc = run([*kimi_overrides(completions, other), "tokenize.max_drift_rate=0.5", "tokenize.max_length=40"], env,
+               "tokenize")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cases = {}
+    for case in ("copied", "missing", "swapped"):
+        damaged = tmp_path / case
+        shutil.copytree(split, damaged)
+        cases[case] = damaged
+    shutil.copy(shards[0], cases["copied"] / "tokens-99999-0000.parquet")
+    (cases["missing"] / shards[1].name).unlink()
+    shutil.copy(next(other.glob("tokens-*.parquet")), cases["swapped"] / shards[0].name)
+    ok = run(export_overrides(split, completions, tmp_path / "ok"), env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    for case, damaged in cases.items():
+        proc = run(export_overrides(damaged, completions, tmp_path / f"out-{case}"), env)
+        assert proc.returncode == 1 and "are not the ones its meta.json describes" in last_line(proc), (case,
+                                                                                                       proc.stderr)
+        assert not (tmp_path / f"out-{case}").exists()

@@ -35,8 +35,9 @@ def test_answers_named_by_another_model_are_not_stored_and_stop_the_run(run_stag
     assert "llama-3-8b-fallback" in last_line(proc) and "fake-model" in last_line(proc)
 
 
-def test_a_rare_fallback_is_retried_and_every_row_is_the_targets(run_stage, fake_server, tmp_path):
-    server = fake_server({"answer_model": "llama-3-8b-fallback", "answer_model_rate": 0.1, "seed": 1})
+@pytest.mark.parametrize("seed", [1, 31])  # 31: the very first answer, preflight's probe, is the fallback's
+def test_a_rare_fallback_is_retried_and_every_row_is_the_targets(run_stage, fake_server, tmp_path, seed):
+    server = fake_server({"answer_model": "llama-3-8b-fallback", "answer_model_rate": 0.1, "seed": seed})
     prompts = write_prompts(tmp_path / "in", 40)
     proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out",
                                            "generate.max_backoff_s=0.05", "generation.concurrency=1"))

@@ -270,3 +270,32 @@ def test_a_full_disk_while_tokenizing_is_one_line_and_the_old_output_stays(run_s
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("error: No space left on device") and "free some space" in lines[0]
     assert read_rows(tmp_path / "out") == before
+
+
+def test_tokenizing_the_completions_of_an_unfinished_generate_run_is_never_unnoticed(run_stage, fake_server, tmp_path):
+    """generate stopped (a run-wide fault, Ctrl-C) or killed, then tokenize by hand: it tokenized the part that was
+    there with exit 0 and not a word. Allowed (a run in progress may be looked at), but warned."""
+    from tests.conftest import write_prompts
+    from tests.test_generate_server import gen_args
+
+    server = fake_server()
+    write_prompts(tmp_path / "p", 12)
+    run_stage("generate", *gen_args(server.url, tmp_path / "p", tmp_path / "done"))
+    summary = json.loads((tmp_path / "done" / "run.json").read_text())
+    assert summary["conversations_left"] == 0 and summary["stopped_reason"] is None
+    cases = {"finished": summary, "killed": None,
+             "stopped": {**summary, "conversations_left": 9, "stopped_reason": "5 requests in a row failed"},
+             "interrupted": {**summary, "conversations_left": 4}}
+    for case, run_json in cases.items():
+        completions = tmp_path / case
+        shutil.copytree(tmp_path / "done", completions)
+        if run_json is None:
+            (completions / "run.json").unlink()
+        else:
+            (completions / "run.json").write_text(json.dumps(run_json))
+        proc = run_stage("tokenize", "target=kimi-k2.6", f"target.tokenizer_dir={KIMI_DIR}",
+                         f"tokenize.input={completions}", f"tokenize.output={tmp_path / ('t-' + case)}")
+        warned = [line for line in proc.stderr.splitlines() if line.startswith("warning:") and "finish" in line]
+        assert bool(warned) == (case != "finished"), (case, proc.stderr[-2000:])
+        if case == "stopped":
+            assert "9 conversations left undone" in warned[0] and "it stopped: 5 requests" in warned[0]

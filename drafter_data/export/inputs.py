@@ -21,7 +21,7 @@ from drafter_data.contract import shard_paths
 from drafter_data.errors import StageError
 from drafter_data.tokens.columns import turns_from_batch
 from drafter_data.tokens.duplicates import repeated_rows
-from drafter_data.tokens.source_digest import DIGEST_KEY, completions_digest
+from drafter_data.tokens.source_digest import DIGEST_KEY, SHARDS_KEY, completions_digest, shard_digests
 
 META_KEYS = ("target", "tokenizer", "chat_template_sha256", "template_kwargs", "thinking_kwarg", "special_ids",
              "rows_per", "max_length", "output_rows")
@@ -70,6 +70,24 @@ def token_shards(tokens_dir: Path) -> list[Path]:
         if missing:
             raise StageError(f"the token shard {path} lacks {', '.join(missing)}; run tokenize again")
     return paths
+
+
+def check_shards(meta: dict, paths: list[Path], tokens_dir: Path) -> None:
+    """The shards are exactly the ones tokenize wrote with this meta.json: a shard copied in, missing, or taken from
+    another tokenize run would export rows twice, lose some, or describe them with another run's settings."""
+    recorded = meta.get(SHARDS_KEY)
+    if not isinstance(recorded, dict):
+        raise StageError(f"{tokens_dir / 'meta.json'} does not list its token shards (made by an older tokenize); "
+                         f"run tokenize again")
+    found = shard_digests(paths)
+    extra, absent = sorted(set(found) - set(recorded)), sorted(set(recorded) - set(found))
+    changed = sorted(name for name in set(found) & set(recorded) if found[name] != recorded[name])
+    if extra or absent or changed:
+        what = "; ".join(f"{label}: {', '.join(names[:3])}" for label, names in
+                         (("not written by this tokenize run", extra), ("missing", absent),
+                          ("changed since", changed)) if names)
+        raise StageError(f"the token shards in {tokens_dir} are not the ones its meta.json describes ({what}); "
+                         f"run tokenize again")
 
 
 def token_batches(paths: list[Path], batch_rows: int):

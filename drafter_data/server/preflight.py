@@ -64,22 +64,31 @@ async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, strea
     return ServerFeatures(engine, via)
 
 
+WRONG_MODEL_PROBES = 3
+
+
 async def _probe_mode(client: AsyncOpenAI, url: str, spec: RequestSpec, stream: bool, max_backoff_s: float):
     """One short answer in spec's thinking mode; StageError when the server cannot give one, names another model, or
     does not honour the thinking switch."""
     probe = spec.with_token_ids(None).with_max_tokens(24)
     switch = f"{spec.thinking_kwarg}={str(spec.thinking).lower()}"
     try:
-        done = await call_with_retries(lambda: complete(client, probe, PROBE_MESSAGES, stream=stream),
-                                       PROBE_ATTEMPTS, max_backoff_s=max_backoff_s,
-                                       give_up_on=(WrongModel, ThinkingIgnored))
-    except WrongModel as exc:
-        raise StageError(f"POST {url}/chat/completions: {exc}") from None
+        for probes in range(1, WRONG_MODEL_PROBES + 1):  # a router that falls back now and then: probe again
+            try:
+                done = await call_with_retries(lambda: complete(client, probe, PROBE_MESSAGES, stream=stream),
+                                               PROBE_ATTEMPTS, max_backoff_s=max_backoff_s,
+                                               give_up_on=(WrongModel, ThinkingIgnored))
+                break
+            except WrongModel as exc:
+                if probes == WRONG_MODEL_PROBES:
+                    raise StageError(f"POST {url}/chat/completions: {exc} ({probes} probes of {probes})") from None
     except ThinkingIgnored:
         raise StageError(f"{url} ignores the thinking switch: asked with chat_template_kwargs {switch}, it still "
                          f"thinks (its chat template does not read {spec.thinking_kwarg!r}: set "
                          f"target.thinking_kwarg to the kwarg it reads, or serve a template that has the switch)") \
             from None
+    except StageError:
+        raise
     except Exception as exc:  # noqa: BLE001 - explained in one line
         raise _probe_error(url, exc) from None
     if spec.thinking and not done.reasoning:

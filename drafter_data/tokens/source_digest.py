@@ -34,3 +34,19 @@ def completions_digest(paths: list[Path], batch_rows: int = 1024) -> str:
         return hashlib.sha256(b"").hexdigest()
     unique = np.unique(np.frombuffer(bytes(digests), dtype="V16"))
     return hashlib.sha256(unique.tobytes()).hexdigest()
+
+
+SHARDS_KEY = "token_shards_sha256"
+
+
+def shard_digests(paths: list[Path]) -> dict[str, str]:
+    """{file name: sha256} of a tokens directory's shards: tokenize writes it in meta.json, so export takes exactly
+    the shards that meta.json describes (none copied in, missing or from another run)."""
+    digests = {}
+    for path in sorted(paths):
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                sha.update(block)
+        digests[path.name] = sha.hexdigest()
+    return digests
