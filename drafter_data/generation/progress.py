@@ -117,12 +117,18 @@ class Progress:
         self.client = ClientLoad()
         self._cpu0 = time.thread_time()
 
-    def start(self, total: int) -> None:
-        """The clock and the bar start with the run (after resume and preflight)."""
+    def start(self, total: int, stream=None) -> None:
+        """The clock and the bar start with the run (after resume and preflight). On a terminal, a bar of fixed
+        width with short fields (it fits 120 columns); without one (a log file, nohup, a CI job), a line every
+        LOG_EVERY_S."""
         self.total, self.t0, self._cpu0 = total, time.monotonic(), time.thread_time()
         self.client = ClientLoad()
-        self.bar = tqdm(total=total, unit="conv", desc="generate", file=sys.stderr, dynamic_ncols=True,
-                        mininterval=1.0, disable=None)
+        self.stream = stream or sys.stderr
+        self._logged = time.monotonic()
+        if getattr(self.stream, "isatty", lambda: False)():
+            self.bar = tqdm(total=total, unit="conv", desc="generate", file=self.stream, mininterval=1.0,
+                            unit_scale=True, bar_format="{desc} {percentage:3.0f}%|{bar:16}| {n_fmt}/{total_fmt} "
+                                                         "{postfix}")
 
     def elapsed(self) -> float:
         return (self.t_end or time.monotonic()) - self.t0
@@ -144,14 +150,22 @@ class Progress:
             tqdm.write(f"generate's client uses {self.client.cores:.2f} of a core: {CLIENT_WAY_PAST}", file=sys.stderr)
         if self.bar is not None:
             self.bar.update(finished - self._shown)
-            self._shown = finished
-            eta_h, projected_h = self.eta_hours(finished)
-            self.bar.set_postfix(conc=concurrency, tok_s=f"{self.tokens_per_s():.0f}", errors=self.c.errors,
-                                 retries=self.c.retries, eta_h=_hours(eta_h), assessed_h=_hours(projected_h),
-                                 client=f"{self.client.cores:.2f} core" + (" LIMIT: stream=false or more procs"
-                                                                             if self.client.bound else ""),
-                                 refresh=False)
+            self.bar.set_postfix_str(self.fields(finished), refresh=False)
+        elif time.monotonic() - self._logged >= self.log_every_s:
+            self._logged = time.monotonic()
+            print(f"generate: {finished}/{self.total} conversations, {self.fields(finished)}", file=self.stream,
+                  flush=True)
+        self._shown = finished
         self._add_point()
+
+    log_every_s = 30.0
+
+    def fields(self, finished: int) -> str:
+        """The figures beside the bar, short: level, tok/s, errors/retries, ETA (and the assessment's), client CPU."""
+        eta_h, projected_h = self.eta_hours(finished)
+        client = f"cpu {self.client.cores:.2f}" + (" CLIENT-BOUND" if self.client.bound else "")
+        return (f"c={self.concurrency} {_short(self.tokens_per_s())} tok/s err {_short(self.c.errors)} retry "
+                f"{_short(self.c.retries)} eta {_hours(eta_h)}h/{_hours(projected_h)}h {client}")
 
     def _add_point(self) -> None:
         now, (t_last, tokens_last) = self.elapsed(), self._last_point
@@ -226,8 +240,9 @@ class Progress:
         from drafter_data.plots import png_figure
 
         t, conc, rate, _ = (np.asarray(v, dtype=float) for v in zip(*[(p[0], p[1], p[2], 0.0) for p in self.series]))
+        rate = smoothed(t, rate)
         with png_figure(path, size=(7, 3.5)) as ax:
-            ax.plot(t / 60, rate, color="tab:blue", label="output tok/s")
+            ax.plot(t / 60, rate, color="tab:blue", label=f"output tok/s (over {SMOOTH_S:.0f} s)")
             ax.set_xlabel("minutes")
             ax.set_ylabel("output tokens/s", color="tab:blue")
             right = ax.twinx()
@@ -238,5 +253,27 @@ class Progress:
         return True
 
 
+SMOOTH_S = 60.0
+
+
+def smoothed(t: np.ndarray, rate: np.ndarray, window_s: float = SMOOTH_S) -> np.ndarray:
+    """tok/s over the last window_s at each point: unstreamed answers count all their tokens at once, so a rate per
+    SERIES_EVERY_S swings between 0 and a burst (it looked like an idle server)."""
+    starts = np.concatenate([[0.0], t[:-1]])
+    tokens = np.cumsum(rate * (t - starts))
+    begin = np.searchsorted(t, t - window_s)
+    before = np.where(begin > 0, tokens[np.maximum(begin - 1, 0)], 0.0)
+    since = np.where(begin > 0, t[np.maximum(begin - 1, 0)], 0.0)
+    return (tokens - before) / np.maximum(t - since, 1e-9)
+
+
 def _hours(h: float | None) -> str:
-    return f"{h:.2f}" if h is not None else "-"
+    return "-" if h is None else f"{h:.2f}" if h < 10 else f"{h:.0f}"
+
+
+def _short(x: float) -> str:
+    """1234567 -> 1.2M: a figure of at most 5 characters."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.1f}{suffix}" if x < 10 * scale else f"{x / scale:.0f}{suffix}"
+    return f"{x:.0f}"
