@@ -11,7 +11,7 @@ import ast
 import re
 import sys
 import typing
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import fields
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]

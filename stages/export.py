@@ -18,7 +18,6 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from omegaconf import OmegaConf
 
 from drafter_data.config import run_stage
 from drafter_data.errors import StageError

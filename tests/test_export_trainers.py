@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import REPO, read_rows
+from tests.conftest import read_rows
 from tests.test_export import export_overrides, lines, run
 from tests.test_tokenize import completion_row, kimi_overrides, write_completions
 

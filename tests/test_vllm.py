@@ -16,13 +16,10 @@ About 4-9 minutes on 2 cores (4m10s to 8m56s here; the exp run 147-304 s): vLLM 
 (assess, generate, the killed and the resumed generate), 75-100 s each.
 """
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 

@@ -150,7 +150,7 @@ def write_card(path: Path, summary: dict, meta: dict, inputs: dict[str, str]) ->
     deg = summary["degenerate"]
     lines += [f"Degenerate answers (kept unless `export.drop` names them): loop {deg['loop']}, empty reasoning with "
               f"thinking on {deg['empty_reasoning']}, empty answer {deg['empty_answer']}.", "",
-              f"Finish reasons: " + ", ".join(f"{k} {v}" for k, v in summary["finish_reasons"].items()) + ".", "",
+              "Finish reasons: " + ", ".join(f"{k} {v}" for k, v in summary["finish_reasons"].items()) + ".", "",
               f"Drift: {drift.get('rows_differ', 0)} of {drift.get('rows_compared', 0)} rows with the server's sampled "
               f"ids retokenize differently (rate {drift.get('rate', 0.0):.4f}); the rows keep the sampled ids.", "",
               "## Provenance", ""]
