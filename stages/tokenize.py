@@ -53,7 +53,6 @@ def main(cfg) -> int:
     in_paths = input_shards(Path(tcfg.input))
     check_policies(tcfg)
     check_consistency(in_paths, cfg)
-    warn_if_generate_did_not_finish(Path(tcfg.input))
     skips = repeated_rows(in_paths)  # a row found twice is read once; two different ones are refused here
     source = {DIGEST_KEY: completions_digest(in_paths)}  # which completions these tokens are (export checks it)
     protected = protected_paths(cfg)
@@ -63,6 +62,7 @@ def main(cfg) -> int:
     # Forked workers inherit the block but never run its exit (StagedOutputDir checks the pid)
     with StagedOutputDir(Path(tcfg.output), "tokenize.output", {k: v for k, v in protected.items() if v is not None},
                          OUTPUT_MARKERS) as staged:
+        warn_if_generate_did_not_finish(Path(tcfg.input))  # once the output is accepted: refusals come first
         settings = worker_settings(cfg, staged.path)
         with server_root(cfg) as root:
             settings["server_root"] = root

@@ -1,5 +1,6 @@
 """generation.concurrency=auto: the level controller finds a server's best level and follows it when it moves,
 on a simulated server (deterministic clock) with a throughput knee; the stage runs with it end to end."""
+import io
 import heapq
 import itertools
 import json
@@ -425,6 +426,11 @@ def test_a_run_with_fewer_conversations_than_the_level_has_no_steady_rate_to_che
         proc.stderr
 
 
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
 def test_the_client_at_a_core_is_named_as_the_limit_in_the_bar_and_the_metrics(monkeypatch, capsys):
     """The event loop's thread using ~a core over CLIENT_WINDOW_S: the bar says so (and the way past it), once on
     stderr, and the metrics carry it; at a fifth of a core, nothing is said."""
@@ -436,7 +442,7 @@ def test_the_client_at_a_core_is_named_as_the_limit_in_the_bar_and_the_metrics(m
     monkeypatch.setattr(progress_module.time, "thread_time", lambda: clock["cpu"])
     for cores, bound in ((0.2, False), (0.97, True)):
         bar = Progress(Counters(), Assessment())
-        bar.start(10)
+        bar.start(10, stream=Terminal())
         for _ in range(15):
             clock["wall"] += 1.0
             clock["cpu"] += cores
@@ -445,7 +451,7 @@ def test_the_client_at_a_core_is_named_as_the_limit_in_the_bar_and_the_metrics(m
         metrics = bar.live_metrics()
         bar.close()
         err = capsys.readouterr().err
-        assert ("LIMIT" in postfix) is bound, postfix
+        assert ("CLIENT-BOUND" in postfix) is bound, postfix
         assert (CLIENT_WAY_PAST in err) is bound, err
         assert metrics["client_cpu_cores_now"] == pytest.approx(cores)
         assert metrics["client_bound"] == float(bound)

@@ -105,6 +105,12 @@ def crafted(tmp_path_factory, mlflow_uri):
     table = table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask",
                              pa.array(masks, type=pa.list_(pa.int8())))
     pq.write_table(table, shard)
+    from drafter_data.tokens.source_digest import SHARDS_KEY, shard_digests
+
+    meta_path = base / "tokens" / "meta.json"  # crafted masks: meta.json names the shard as it now is
+    meta = json.loads(meta_path.read_text())
+    meta[SHARDS_KEY] = shard_digests(list((base / "tokens").glob("tokens-*.parquet")))
+    meta_path.write_text(json.dumps(meta))
     unfiltered = base / "all.jsonl"
     unfiltered.write_text("".join(json.dumps({"id": f"{r['prompt_id']}#turn{r['turn']}", "input_ids": r["input_ids"],
                                               "loss_mask": r["loss_mask"]}) + "\n"
