@@ -62,7 +62,6 @@ def main(cfg) -> int:
     # Forked workers inherit the block but never run its exit (StagedOutputDir checks the pid)
     with StagedOutputDir(Path(tcfg.output), "tokenize.output", {k: v for k, v in protected.items() if v is not None},
                          OUTPUT_MARKERS) as staged:
-        warn_if_generate_did_not_finish(Path(tcfg.input))  # once the output is accepted: refusals come first
         settings = worker_settings(cfg, staged.path)
         with server_root(cfg) as root:
             settings["server_root"] = root
@@ -77,6 +76,7 @@ def main(cfg) -> int:
                 shutil.rmtree(staged.path / ".conversations", ignore_errors=True)
                 finish(cfg, run, staged, {**metadata(cfg, settings, worker_conversation(), counts, examples),
                                           **source}, throughput(counts), lengths)
+    warn_if_generate_did_not_finish(Path(tcfg.input))  # after the summary: an error or refusal stays one line
     return 0
 
 
