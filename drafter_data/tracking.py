@@ -146,7 +146,7 @@ def stage_start_ms() -> int:
             return int(time.time() * 1000)
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
                              timeout=5)
@@ -176,7 +176,7 @@ def run_tags(stage: str, cfg: DictConfig) -> dict[str, str]:
         tags["dvc_exp"] = os.environ["DVC_EXP_NAME"]
     if os.environ.get("DVC_EXP_BASELINE_REV"):
         tags["dvc_exp_baseline"] = os.environ["DVC_EXP_BASELINE_REV"]
-    commit = _git_commit()
+    commit = git_commit()
     if commit:
         tags["git_commit"] = commit
         tags["mlflow.source.git.commit"] = commit

@@ -28,6 +28,7 @@ from drafter_data.export.inputs import (CompletionIndex, check_shards, check_sou
                                         token_shards)
 from drafter_data.outputs import StagedOutputDir
 from drafter_data.tokens.conversation import ConversationTokenizer
+from drafter_data.tokens.server_root import server_root
 from drafter_data.tokens.tokenizers import load_tokenizer
 from drafter_data.tracking import stage_run
 
@@ -100,19 +101,6 @@ def tokenizer(cfg, meta: dict):
             raise StageError(f"the target's tokenizer files ({tok.files_sha256}) are not the ones the tokens were "
                              f"made with ({made_with})")
         yield conv
-
-
-@contextmanager
-def server_root(cfg):
-    """The running server's root URL for target.tokenizer=server (started here when server=local), else None."""
-    if cfg.target.tokenizer != "server":
-        yield None
-        return
-    from drafter_data.server.endpoints import api_root
-    from drafter_data.server.serving import servers
-
-    with servers(cfg.server) as urls:
-        yield api_root(urls[0])
 
 
 def summary_line(info: dict, out_dir: Path) -> str:

@@ -39,6 +39,7 @@ from drafter_data.tokens.checks import (OUTPUT_MARKERS, check_consistency, check
 from drafter_data.tokens.lengths import LengthHistograms
 from drafter_data.tokens.regroup import partition_by_conversation
 from drafter_data.tokens.source_digest import DIGEST_KEY, SHARDS_KEY, completions_digest, shard_digests
+from drafter_data.tokens.server_root import server_root
 from drafter_data.tokens.report import log_run, metadata, summary_lines, throughput
 from drafter_data.tokens.rows import (first_examples, init_worker, tokenize_task, worker_conversation,
                                       worker_settings_loaded)
@@ -141,19 +142,6 @@ def worker_settings(cfg, out_dir: Path) -> dict:
             "escape_mask_text": tcfg.on_mask_token_text == "escape", "max_length": int(tcfg.max_length),
             "overlength": tcfg.overlength, "on_length_finish": tcfg.on_length_finish,
             "shard_rows": int(tcfg.get("shard_rows") or 2000), "out_dir": str(out_dir)}
-
-
-@contextmanager
-def server_root(cfg):
-    """The running server's root URL for target.tokenizer=server (started here when server=local), else None."""
-    if cfg.target.tokenizer != "server":
-        yield None
-        return
-    from drafter_data.server.endpoints import api_root
-    from drafter_data.server.serving import servers
-
-    with servers(cfg.server) as urls:
-        yield api_root(urls[0])
 
 
 def plan_tasks(in_paths: list[Path], out_dir: Path, settings: dict, skips: dict | None = None

@@ -5,13 +5,13 @@ hashes, the engine and model each answer named, sampling params, mask token, git
 inputs."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import yaml
 
 from drafter_data.export.build import CONVERSATIONS, PRETOKENIZED
 from drafter_data.export.figures import FILES
+from drafter_data.tracking import git_commit
 
 GENERATION_KEYS = ("thinking", "thinking_ratio", "history_reasoning", "max_tokens", "temperature", "top_p", "seed",
                    "token_ids")
@@ -46,15 +46,6 @@ def header(summary: dict, meta: dict, sizes: dict[str, int]) -> dict:
              "splits": [{"name": "train", "num_bytes": sizes[CONVERSATIONS], "num_examples": rows[CONVERSATIONS]}]},
         ],
     }
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def lock_record(lock_path: Path = Path("dvc.lock")) -> dict:
