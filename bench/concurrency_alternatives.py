@@ -1,6 +1,6 @@
-"""The controllers concurrency=auto was chosen against, with LevelController's interface (level, completed, tick,
-history), for bench/concurrency_grid.py --controller gradient|aimd. Latency-based, as published; the latency of an
-LLM request grows with its length, so both read seconds per output token.
+"""The controllers concurrency=auto was chosen against, with LevelController's interface (level, arrived, completed,
+tick, history) and answered(tokens, latency), for bench/concurrency_grid.py --controller gradient|aimd. Latency-based,
+as published; the latency of an LLM request grows with its length, so both read seconds per output token.
 
 - GradientLimiter: Netflix concurrency-limits' Gradient2 (a TCP Vegas-like gradient): every second,
   gradient = clamp(TOLERANCE x long-term latency / short-term latency, 0.5, 1), new = level x gradient + sqrt(level),
@@ -25,9 +25,15 @@ class _Latency:
     _tokens: float = 0.0
     _seconds: float = 0.0
 
-    def completed(self, tokens: int, latency_s: float) -> None:
+    def answered(self, tokens: int, latency_s: float) -> None:
         self._tokens += max(tokens, 1)
         self._seconds += latency_s
+
+    def arrived(self, tokens: float) -> None:
+        pass
+
+    def completed(self, tokens: int, latency_s: float, first_s: float | None = None, streamed_tokens: int = 0) -> None:
+        pass
 
     def _per_token(self) -> float | None:
         if self._tokens < 8:

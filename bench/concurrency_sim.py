@@ -87,7 +87,7 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
     n_slots = engine.n_slots
     # the sequences in slots: sent time, tokens left, tokens in all, prefill left (s), own speed
     sent, left, total = np.zeros(0), np.zeros(0), np.zeros(0)
-    prefill, speed = np.zeros(0), np.zeros(0)
+    prefill, speed, ttft = np.zeros(0), np.zeros(0), np.zeros(0)
     queue: deque = deque()  # (sent time, tokens, speed) waiting for a slot
     drift, produced, steady_tokens = 0.0, 0.0, 0.0
     series, bucket, next_tick, next_point = [], 0.0, 1.0, every_s or duration_s + 1
@@ -107,6 +107,7 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
             sent, left, total = np.append(sent, s0), np.append(left, tok), np.append(total, tok)
             active_now = int((prefill <= 0).sum()) if len(prefill) else 0
             prefill = np.append(prefill, engine.ttft_s * max(1.0, active_now / knee) ** 0.5)
+            ttft = np.append(ttft, t - s0 + prefill[-1])
             speed = np.append(speed, sp)
         decoding = prefill <= 0
         active = int(decoding.sum())
@@ -117,6 +118,8 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
         made = float(done_tokens.sum())
         produced += made
         bucket += made
+        if ctl is not None:
+            ctl.arrived(made)
         if t >= steady_from * duration_s:
             steady_tokens += made
         left = left - progress
@@ -125,11 +128,14 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
         if finished.any():
             when = t + dt + left[finished] * step * speed[finished]  # left <= 0: back to the token's end
             if ctl is not None:
-                for w, s0, tok in sorted(zip(when, sent[finished], total[finished])):
+                for w, s0, tok, first in sorted(zip(when, sent[finished], total[finished], ttft[finished])):
                     clock.t = max(w, s0)
-                    ctl.completed(int(tok), clock.t - s0)
+                    ctl.completed(int(tok), clock.t - s0, float(first), streamed_tokens=int(tok))
+                    if hasattr(ctl, "answered"):  # the latency-based alternatives
+                        ctl.answered(int(tok), clock.t - s0)
             keep = ~finished
             sent, left, total, prefill, speed = sent[keep], left[keep], total[keep], prefill[keep], speed[keep]
+            ttft = ttft[keep]
         t += dt
         clock.t = t
         if ctl is not None and t >= next_tick:

@@ -121,14 +121,17 @@ def test_finds_the_knee_from_a_misleading_assessment_and_from_nothing():
         assert 10 <= sorted(levels[settle_s:])[len(levels[settle_s:]) // 2] <= 14
 
 
-def window(controller: LevelController, clock: list, rate: float, tokens: int = 100, n: int | None = None) -> int:
-    """One window at the controller's level measuring `rate` tok/s (its requests all alike): the level after it."""
-    level = controller.level
-    latency = level * tokens / rate
-    clock[0] += max(latency, controller.min_window_s) + 0.01
-    for _ in range(n or max(2 * level, 8)):
-        controller.completed(tokens, latency)
-    controller.tick(level)
+def window(controller: LevelController, clock: list, rate: float, tokens: int = 100) -> int:
+    """One window at the controller's level measuring `rate` tok/s, its tokens streamed every second: the level
+    after it."""
+    level, decided = controller.level, len(controller.history)
+    controller.completed(tokens, 1.0, 0.5, streamed_tokens=tokens)
+    for _ in range(1000):
+        clock[0] += 1.0
+        controller.arrived(rate)
+        controller.tick(level)
+        if len(controller.history) > decided:
+            break
     return controller.level
 
 
@@ -193,20 +196,21 @@ def test_a_change_at_the_best_is_measured_twice_before_the_search_starts_again()
 
 
 def test_a_neighbour_within_the_noise_is_measured_again_before_it_decides():
-    """Two levels whose windows' rates differ by less than their noise (requests of mixed lengths): the next window
+    """Two levels whose windows' rates differ by less than their noise (seconds 40% apart): the next window
     measures one of the two again, pooled with the first, instead of moving on (here 32 is the upper bound: the
     bracket is closed; while a side is open the search expands on, the point figures deciding)."""
     clock = [0.0]
     controller = LevelController(level=16, low=16, high=32, clock=lambda: clock[0])
 
     def noisy_window(rate: float) -> int:
-        level = controller.level
-        controller.tick(level)  # after a step down: the requests above it have drained
-        clock[0] += 2 * level * 1000 / rate  # the longest request's life
-        for i in range(max(2 * level, 8)):
-            tokens = 50 if i % 2 else 1000  # mixed lengths, each request at its own speed
-            controller.completed(tokens, level * tokens / rate * (0.6 if i % 4 < 2 else 1.4))
-        controller.tick(level)
+        level, decided = controller.level, len(controller.history)
+        controller.completed(100, 1.0, 0.5, streamed_tokens=100)
+        for second in range(1000):  # the tokens of a second off by 40% either way
+            clock[0] += 1.0
+            controller.arrived(rate * (1.4 if second % 2 else 0.6))
+            controller.tick(level)
+            if len(controller.history) > decided:
+                break
         return controller.level
 
     assert noisy_window(1000.0) == 32  # 16, then the level above
@@ -214,18 +218,32 @@ def test_a_neighbour_within_the_noise_is_measured_again_before_it_decides():
     assert noisy_window(1020.0) in (16, 32) and sum(map(len, controller.measured.values())) == 3  # pooled
 
 
-def test_a_level_that_answers_late_is_decided_without_waiting_for_its_requests():
-    """Past a steep knee no request may finish for a long time: after four lives of a request at that level (were
-    it as good as the best) with fewer than half a level's worth of answers, the window is decided as far worse."""
+def test_a_level_past_a_steep_knee_is_decided_on_its_streamed_tokens_before_any_request_ends():
+    """Past a steep knee no request may finish for a long time, but its tokens still stream: the window at that level
+    is decided in seconds (the first tokens' usual wait, then WINDOW_S) on what arrived, as far worse."""
     clock = [0.0]
     controller = LevelController(level=16, low=1, high=256, clock=lambda: clock[0])
-    assert window(controller, clock, 1600.0) == 32  # 16: each request of 100 tokens lives 1 s
-    for second in range(1, 9):  # 32 as good would live 2 s: nothing finishes in 8 s
+    assert window(controller, clock, 1600.0) == 32
+    for second in range(1, 5):  # at 32 a quarter of 16's tok/s; no request ends
         assert controller.level == 32, second
         clock[0] += 1.0
+        controller.arrived(400.0)
         controller.tick(32)
-    assert controller.level != 32 and controller.history[-1][1] == 32
-    assert controller.history[-1][2] <= 0.71 * 1600
+    assert controller.level < 32 and controller.history[-1][1:] == (32, pytest.approx(400.0))
+
+
+def test_unstreamed_answers_count_when_they_end_and_a_window_waits_for_them():
+    """Unstreamed, an answer's tokens arrive when it ends, its whole life after it was sent: a new level's window
+    starts only once the usual wait for an answer has passed (before that, the tokens are the old level's)."""
+    clock = [0.0]
+    controller = LevelController(level=8, low=1, high=64, clock=lambda: clock[0])
+    for second in range(1, 30):
+        clock[0] += 1.0
+        controller.completed(100, 10.0)  # one answer of 100 tokens a second, each 10 s after it was sent
+        controller.tick(8)
+        if second <= 11:
+            assert not controller.history, second  # 1 + 10 s: the first window has not started
+    assert controller.history[0][1:] == (8, pytest.approx(100.0))
 
 
 def share_of_best(server: KneeServer, levels: list[int]) -> float:

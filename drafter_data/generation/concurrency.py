@@ -1,9 +1,10 @@
 """generation.concurrency=auto: each server's level (requests in flight) follows its best by a bracketing search.
 
-A window measures one level: only requests sent at it count; Little's law gives its rate, level x tokens / (sum of
-the requests' seconds), over 2 x level requests (more, up to 4x, when the best's windows spread by over SPREAD), with
-its standard error from the same requests. A level far (FAR) worse, or better going up, is decided on half a level's
-worth; one that gave under half a level's worth in four request lives (were it as good as the best) at once.
+A window measures one level by the tokens that arrive while it holds (streamed: each chunk as it comes; unstreamed:
+an answer's tokens when it ends), once it has settled: after a step down the requests above it have finished, then
+the first tokens of its new requests have had time to come (1 s + SETTLE x the usual wait for them). It lasts
+WINDOW_S, longer (up to STRETCH x) when windows of the best spread by over SPREAD; one FAR worse than the best, or
+better going up, is decided at WINDOW_S. Its standard error comes from its per-second rates.
 The search, on a log scale, over the levels measured since the server last changed:
   1. expand: while the best has no measured level above (or below) it, probe one stride further: x2 from nothing,
      x1.25 on a re-probe, the stride doubling while probes win (to x1.56 at most on a re-probe). From an assessed
@@ -16,8 +17,7 @@ The best has the highest rate / level ** TIE (a lower level wins a tie: less que
 errors of the best (at least the spread between the best's windows) is measured again, up to POOL windows each (they
 pool). A window at the best more than SHIFT (and Z errors) off its rate is measured again; off twice the same way,
 the server changed: all else is forgotten and the search expands from the best towards the change, by as much as the
-rate moved (x1.25 to x2). After a step down the requests above the level drain before its window starts, and a
-window that could not keep its level busy (the end of the input) is dropped.
+rate moved (x1.25 to x2). A window that could not keep its level busy (the end of the input) is dropped.
 Why this and not a gradient (Vegas) limiter or AIMD, and how it fares on a grid of simulated servers
 (bench/concurrency_grid.py): docs/design/concurrency.md.
 """
@@ -33,37 +33,39 @@ POOL = 3  # windows of one level pooled (and the most a level is measured while 
 CLOSE = math.log(1.12)  # gaps below this (or between adjacent levels) end the narrowing
 HOLD = 5  # windows at the best between re-probes
 SHIFT = 0.15  # the best re-measured this far off its pooled rate: the server changed
-FAR = 0.3  # a window this far below the best after 8 requests is decided then
-SPREAD = 0.05  # windows of the best whose rates spread more than this are made longer, up to 4x
-MAX_WINDOW_S = 20.0  # past this, half a level's worth of requests is enough
+FAR = 0.3  # a window this far below the best is decided at WINDOW_S
+WINDOW_S = 3.0  # a window's seconds, made longer (up to STRETCH x) when the best's windows spread over SPREAD
+SPREAD, STRETCH = 0.05, 8.0
+SETTLE = 1.0  # a window starts 1 s plus this many first-token waits after its level is set
 
 
 @dataclass
 class Window:
     tokens: float = 0.0
     seconds: float = 0.0
-    n: int = 0
-    tt: float = 0.0  # sums of tokens^2, tokens x seconds, seconds^2, for the standard error
-    ts: float = 0.0
-    ss: float = 0.0
+    n: int = 0  # seconds measured (ticks), with the sums of their rates and squared rates for the standard error
+    r: float = 0.0
+    rr: float = 0.0
+    busy: float = 0.0  # the sum over the ticks of the requests in flight
 
-    def add(self, tokens: float, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, in_flight: int) -> None:
+        rate = tokens / max(seconds, 1e-9)
         self.tokens, self.seconds, self.n = self.tokens + tokens, self.seconds + seconds, self.n + 1
-        self.tt, self.ts, self.ss = self.tt + tokens * tokens, self.ts + tokens * seconds, self.ss + seconds * seconds
+        self.r, self.rr, self.busy = self.r + rate, self.rr + rate * rate, self.busy + in_flight
 
     def merged(self, other: Window) -> Window:
         return Window(*(a + b for a, b in zip(vars(self).values(), vars(other).values())))
 
-    def rate(self, level: int) -> float:
-        return level * self.tokens / max(self.seconds, 1e-9)
+    def rate(self) -> float:
+        return max(self.tokens, 1e-9) / max(self.seconds, 1e-9)
 
     def noise(self) -> float:
-        """The relative standard error of tokens / seconds (a ratio estimator over the requests)."""
-        if self.n < 2 or self.tokens <= 0:
+        """The relative standard error of the rate, from its per-second rates."""
+        if self.n < 2 or self.r <= 0:
             return 0.0
-        r = self.tokens / max(self.seconds, 1e-9)
-        spread = max(0.0, (self.tt - 2 * r * self.ts + r * r * self.ss) / (self.n - 1))
-        return math.sqrt(spread * self.n) / self.tokens
+        mean = self.r / self.n
+        spread = max(0.0, (self.rr - self.n * mean * mean) / (self.n - 1))
+        return math.sqrt(spread / self.n) / mean
 
 
 @dataclass
@@ -73,7 +75,6 @@ class LevelController:
     high: int
     stride: float = 2.0
     direction: int = 1  # the side expanded first when both are open
-    min_window_s: float = 2.0
     clock: object = time.monotonic
     history: list = field(default_factory=list)  # (time, level, tokens/s) per decided window
     measured: dict = field(default_factory=dict)  # level -> its windows since the server last changed
@@ -87,12 +88,14 @@ class LevelController:
     _quiet: int = 0  # re-probes in a row that found nothing better: the hold doubles with each, up to 4x
     _window: Window = field(default_factory=Window)
     _started: float = 0.0
+    _last_tick: float = 0.0
+    _arrived: float = 0.0  # tokens since the last tick
+    _first_s: float | None = None  # the usual wait for a request's first token (unstreamed: for its answer)
     _settled: bool = True
-    _in_flight: list = field(default_factory=lambda: [0, 0])  # the window's sum and count of ticks
 
     def __post_init__(self):
         self.level = self.best = self._clamp(self.level)
-        self._started = self.clock()
+        self._started = self._last_tick = self.clock()
 
     @classmethod
     def starting_at(cls, level: int | None, low: int, high: int, **kw) -> LevelController:
@@ -106,44 +109,44 @@ class LevelController:
     def best_rate(self) -> float:
         return self._rate(self.best) if self.best in self.measured else 0.0
 
-    def completed(self, tokens: int, latency_s: float) -> None:
-        """A request finished; it counts when it was sent at the current level. No tokens (empty, or a server that
-        sends no usage) count as one: windows then compare requests served per second, never 0 tok/s."""
-        if self.clock() - latency_s >= self._started - 1e-6:
-            self._window.add(max(tokens, 1), latency_s)
+    def arrived(self, tokens: float = 1) -> None:
+        """Tokens of an answer arrived (a streamed chunk)."""
+        self._arrived += tokens
+
+    def completed(self, tokens: int, latency_s: float, first_s: float | None = None, streamed_tokens: int = 0) -> None:
+        """An answer ended, `latency_s` after it was sent, its first tokens `first_s` after (unstreamed: at the end).
+        Tokens not streamed arrive now; an empty answer (or a server that sends no usage) counts one: windows then
+        compare answers per second."""
+        first_s = latency_s if first_s is None else first_s
+        self._first_s = first_s if self._first_s is None else 0.8 * self._first_s + 0.2 * first_s
+        if not streamed_tokens:
+            self._arrived += max(tokens, 1)
 
     def tick(self, in_flight: int) -> int | None:
         """Called about once a second with the server's requests in flight: the new level when it changes."""
         now = self.clock()
-        if not self._settled:  # after a step down, the requests above the new level drain first
+        tokens, seconds, self._arrived, self._last_tick = self._arrived, now - self._last_tick, 0.0, now
+        if not self._settled:  # after a step down, the requests above the new level finish first
             if in_flight > self.level:
                 return None
             self._settled = True
             self._start(now)
-        self._in_flight = [self._in_flight[0] + in_flight, self._in_flight[1] + 1]
+        if self._first_s is None or now - self._started < 1.0 + SETTLE * self._first_s or seconds <= 0:
+            return None  # the new level's first tokens are still on their way (or no answer has ended yet)
         w, level = self._window, self.level
-        # the first window has nothing to compare with; windows between which the best's rate drifts are longer
-        enough = round(max(2 * level, 8) * min(4.0, max(1.0, self._spread2 / SPREAD ** 2))) if self.measured else 8
-        if now - self._started >= MAX_WINDOW_S:
-            enough = max(level // 2, 8)
-        if self.best != level and self.best in self.measured:
-            ratio = self._score(w.rate(level), level) / self._score(self.best_rate, self.best) if w.n else 0.0
-            if w.n >= 8 and (ratio < 1 - FAR or ratio > 1 + FAR and level > self.best):
-                enough = min(enough, max(level // 2, 8))  # far worse (more would only cost) or far better
-            best = self._pooled(self.best)
-            as_good_s = level * best.tokens / best.n / self.best_rate  # a request's life here, were it as good
-            age = now - self._started
-            if age >= max(self.min_window_s, 4 * as_good_s) and w.n < min(8, level / 2):
-                # four such lives, and not half a level's worth of answers (an as-good level gives 3 levels' worth):
-                # far worse (past a steep knee, answers come late). Taken as FAR below the best
-                w = Window(tokens=(1 - FAR) * self.best_rate * (level / self.best) ** TIE / level, seconds=1, n=1)
-                enough = 1
-        if w.n < enough or now - self._started < self.min_window_s:
+        w.add(tokens, seconds, in_flight)
+        stretch = min(STRETCH, max(1.0, self._spread2 / SPREAD ** 2)) if self.measured else 1.0
+        needed = WINDOW_S * stretch
+        if self.best != level and self.best in self.measured and w.seconds >= WINDOW_S:
+            ratio = self._score(w.rate(), level) / self._score(self.best_rate, self.best)
+            if ratio < 1 - FAR or ratio > 1 + FAR and level > self.best:
+                needed = WINDOW_S  # far worse (more would only cost) or far better
+        if w.seconds < needed:
             return None
-        if self._in_flight[0] < 0.8 * level * self._in_flight[1]:  # too little work to fill the level: nothing learnt
+        if w.busy < 0.8 * level * w.n:  # too little work to fill the level: nothing learnt
             self._start(now)
             return None
-        self.history.append((now, level, w.rate(level)))
+        self.history.append((now, level, w.rate()))
         new = self._decide(level, w)
         self._start(now)
         self._settled = new >= level
@@ -154,11 +157,12 @@ class LevelController:
 
     def _decide(self, level: int, w: Window) -> int:
         if level == self.best and self.best in self.measured:
+            self._since_best = 0
             changed = self._changed(w)
             if changed and self._suspect == changed:
                 # off twice the same way: the server changed. Forget the rest, expand again from the best, first
                 # towards where the change points, by as much as the rate moved (x1.25 to x2)
-                fell = abs(math.log(w.rate(level) / self.best_rate))
+                fell = abs(math.log(w.rate() / self.best_rate))
                 self.direction, self.stride, self._cap = changed, min(2.0, max(1.25, math.exp(fell))), 2.0
                 self.measured = {level: [self._suspect_window, w]}
                 self._held, self._quiet, self._suspect = 0, 0, 0
@@ -169,7 +173,7 @@ class LevelController:
             if self._suspect:
                 self.measured[level].append(self._suspect_window)
             self._suspect = 0
-            gap = math.log(w.rate(level) / self.best_rate)
+            gap = math.log(w.rate() / self.best_rate)
             self._spread2 = 0.7 * self._spread2 + 0.3 * gap * gap
         self.measured.setdefault(level, []).append(w)
         self.measured[level] = self.measured[level][-POOL:]
@@ -191,7 +195,8 @@ class LevelController:
         lo, hi = (max(below) if below else None), (min(above) if above else None)
         if self._since_best >= 3:  # the best's figure is getting old (the server may have changed): again first
             return best
-        open_sides = [d for d, bound, edge in ((1, hi, self.high), (-1, lo, self.low)) if bound is None and best != edge]
+        open_sides = [d for d, bound, edge in ((1, hi, self.high), (-1, lo, self.low))
+                      if bound is None and best != edge]
         if open_sides:
             d = self.direction if self.direction in open_sides else open_sides[0]
             return self._clamp_away(round(best * self.stride ** d), d)
@@ -225,7 +230,7 @@ class LevelController:
 
     def _changed(self, w: Window) -> int:
         """+1 or -1: the best's new window is that far off its pooled rate (0: it is not)."""
-        gap = math.log(w.rate(self.best) / self.best_rate)
+        gap = math.log(w.rate() / self.best_rate)
         off = abs(gap) > max(SHIFT, Z * math.hypot(self._noise(self.best, w), self._noise(self.best)))
         return (1 if gap > 0 else -1) if off else 0
 
@@ -236,7 +241,7 @@ class LevelController:
         return total
 
     def _rate(self, level: int) -> float:
-        return self._pooled(level).rate(level)
+        return self._pooled(level).rate()
 
     @staticmethod
     def _score(rate: float, level: int) -> float:
@@ -251,7 +256,7 @@ class LevelController:
         return self._clamp(level)
 
     def _start(self, now: float) -> None:
-        self._started, self._window, self._in_flight = now, Window(), [0, 0]
+        self._started, self._window = now, Window()
 
     def _clamp(self, level: int) -> int:
         return max(self.low, min(self.high, int(level)))

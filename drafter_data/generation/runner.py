@@ -133,9 +133,10 @@ class Runner:
                 self.pool.release(server)
                 break
             spec = server.spec or self.spec
+            streamed = [0]  # concurrency=auto measures the chunks of output as they arrive
             try:
                 done = await complete(server.client, spec, sent, tools, thinking=conv.thinking,
-                                      stream=self.settings.stream)
+                                      stream=self.settings.stream, on_output=_counter(server.controller, streamed))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - every fault is classified below
@@ -144,7 +145,7 @@ class Runner:
                 self.pool.succeeded(server)
                 self.run_wide_streak = self.failed_streak = 0
                 if server.controller is not None:
-                    server.controller.completed(done.completion_tokens, done.latency_s)
+                    server.controller.completed(done.completion_tokens, done.latency_s, done.ttft_s, streamed[0])
                 return done, spec.token_ids_via if done.completion_token_ids is not None else None
             finally:
                 self.pool.release(server)
@@ -415,6 +416,17 @@ class Runner:
         print(f"\n{name}: no new requests; in-flight ones get up to {self.settings.grace_s:.0f} s to finish "
               f"({name} again to stop now)", file=sys.stderr)
         self.stopping.set()
+
+
+def _counter(controller, count: list):
+    """on_output for one request: the chunk arrived at the server's level controller, and counted."""
+    if controller is None:
+        return None
+
+    def on_output() -> None:
+        count[0] += 1
+        controller.arrived(1)
+    return on_output
 
 
 def _one_line(task_name: str, exc: BaseException) -> str:

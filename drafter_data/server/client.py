@@ -122,6 +122,7 @@ class Answer:
     ttft: float | None = None
     chunks: int = 0
     times: list[float] | None = None
+    on_output: object = None  # called with each chunk that has output (generate's concurrency=auto counts them)
 
     def completion(self, thinking: bool, t0: float, streamed: bool) -> Completion:
         """The Completion, if this answer really ended (stop, length, tool_calls); else it raises."""
@@ -149,9 +150,11 @@ class Answer:
 
 
 async def complete(client: AsyncOpenAI, spec: RequestSpec, messages: list[dict], tools: list | None = None,
-                   thinking: bool | None = None, stream: bool = True, record_times: bool = False) -> Completion:
+                   thinking: bool | None = None, stream: bool = True, record_times: bool = False,
+                   on_output=None) -> Completion:
     """One chat completion as `spec` describes it (thinking: this request's mode, the spec's unless given).
-    record_times keeps the arrival time of each chunk with output (assess's steady-window rates). When the spec
+    record_times keeps the arrival time of each chunk with output (assess's steady-window rates); on_output() is
+    called as each arrives. When the spec
     asks for token ids by a method that cannot stream them whole, the request is sent unstreamed."""
     thinking = spec.thinking if thinking is None else thinking
     body = spec.body(messages, tools, thinking)
@@ -160,7 +163,7 @@ async def complete(client: AsyncOpenAI, spec: RequestSpec, messages: list[dict],
     streamed = stream and (method is None or method.streams)
     t0 = time.monotonic()
     if streamed:
-        answer = await _streamed(client, body, ids, t0, record_times)
+        answer = await _streamed(client, body, ids, t0, record_times, on_output)
     else:
         answer = await _unstreamed(client, body, ids)
     done = answer.completion(thinking, t0, streamed)
@@ -189,8 +192,8 @@ async def _unstreamed(client: AsyncOpenAI, body: dict, ids: IdCollector | None) 
 
 
 async def _streamed(client: AsyncOpenAI, body: dict, ids: IdCollector | None, t0: float,
-                    record_times: bool) -> Answer:
-    answer = Answer(times=[] if record_times else None)
+                    record_times: bool, on_output=None) -> Answer:
+    answer = Answer(times=[] if record_times else None, on_output=on_output)
     stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body)
     async for chunk in stream:
         answer.chunks += 1
@@ -219,5 +222,7 @@ def _take_delta(answer: Answer, choice, t0: float) -> None:
             answer.ttft = time.monotonic() - t0
         if answer.times is not None:
             answer.times.append(time.monotonic())
+        if answer.on_output is not None:
+            answer.on_output()
     if choice.finish_reason:
         answer.finish_reason = choice.finish_reason
