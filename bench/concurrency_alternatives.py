@@ -1,6 +1,7 @@
-"""The controllers concurrency=auto was chosen against, with LevelController's interface (level, arrived, completed,
-tick, history) and answered(tokens, latency), for bench/concurrency_grid.py --controller gradient|aimd. Latency-based,
-as published; the latency of an LLM request grows with its length, so both read seconds per output token.
+"""The controllers concurrency=auto was chosen against, with LevelController's interface (level, started, arrived,
+completed, tick, history) and answered(tokens, latency), for bench/concurrency_grid.py --controller gradient|aimd.
+Latency-based, as published; the latency of an LLM request grows with its length, so both read seconds per output
+token.
 
 - GradientLimiter: Netflix concurrency-limits' Gradient2 (a TCP Vegas-like gradient): every second,
   gradient = clamp(TOLERANCE x long-term latency / short-term latency, 0.5, 1), new = level x gradient + sqrt(level),
@@ -28,6 +29,9 @@ class _Latency:
     def answered(self, tokens: int, latency_s: float) -> None:
         self._tokens += max(tokens, 1)
         self._seconds += latency_s
+
+    def started(self, first_s: float) -> None:
+        pass
 
     def arrived(self, tokens: float) -> None:
         pass

@@ -11,8 +11,11 @@ printed first. The points are drawn by GRID_SEED; HELD_OUT_SEED chose, before an
 (active/24)^2 past 24, 200-400 tokens, tok/s bending early) is point 0, over 45 s from nothing.
 
 `--controller gradient|aimd` runs instead the alternatives of bench/concurrency_alternatives.py (the same grid).
+`--unstreamed` tells auto of each answer only when it ends (generate.stream=false, or a token-id method that cannot
+stream, such as llama-server's).
 
     python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2] [--controller bracket|gradient|aimd]
+                                     [--unstreamed]
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ def fixed_levels(engine: Engine) -> list[int]:
 
 
 def run_point(args) -> dict:
-    index, (engine, start, seconds), seed, kind = args
+    index, (engine, start, seconds), seed, kind, streamed = args
     steps = int(min(12000, max(2000, seconds / 0.02)))
     fixed = {lv: simulate(engine, lv, seconds, seed, steps=steps) for lv in fixed_levels(engine)}
 
@@ -77,7 +80,7 @@ def run_point(args) -> dict:
 
         return {"gradient": GradientLimiter, "aimd": AimdLimiter}[kind](level=start or 4, low=1, high=256, clock=clock)
 
-    auto = simulate(engine, make, seconds, seed, steps=steps)
+    auto = simulate(engine, make, seconds, seed, steps=steps, streamed=streamed)
     best_whole = max(fixed, key=lambda lv: fixed[lv].whole)
     best_steady = max(fixed, key=lambda lv: fixed[lv].steady)
     return {"index": index, "name": engine.name, "seed": seed, "seconds": seconds,
@@ -106,10 +109,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--only", type=int, nargs="*", help="these point indices")
     parser.add_argument("--controller", default="bracket", choices=["bracket", "gradient", "aimd"])
+    parser.add_argument("--unstreamed", action="store_true", help="auto learns of each answer when it ends")
     args = parser.parse_args()
+    streamed = not args.unstreamed
     points, out = grid(), held_out()
     chosen = args.only if args.only else range(len(points))
-    tasks = [(i, points[i], seed, args.controller) for i in chosen for seed in range(args.seeds)]
+    tasks = [(i, points[i], seed, args.controller, streamed) for i in chosen for seed in range(args.seeds)]
     with Pool(args.jobs) as pool:
         rows = pool.map(run_point, tasks)
         tuned = [r for r in rows if r["index"] not in out]
@@ -123,7 +128,8 @@ def main() -> None:
         if args.worst:
             worst = sorted({r["index"] for r in sorted(rows, key=shortfall)[:args.worst]},
                            key=lambda i: min(shortfall(r) for r in rows if r["index"] == i))
-            again = pool.map(run_point, [(i, points[i], 100 + k, args.controller) for i in worst for k in range(3)])
+            again = pool.map(run_point, [(i, points[i], 100 + k, args.controller, streamed)
+                                         for i in worst for k in range(3)])
             print("\nthe worst points, three more runs each (seeds 100-102):")
             for i in worst:
                 runs = [r for r in again if r["index"] == i]

@@ -76,9 +76,11 @@ class Clock:
 
 
 def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, steady_from: float = 0.5,
-             every_s: float | None = None, steps: int = 12000) -> Result:
+             every_s: float | None = None, steps: int = 12000, streamed: bool = True) -> Result:
     """The engine for `duration_s` simulated seconds at a fixed level (an int) or under a controller made by
-    `level_or_controller(clock)` (a callable taking the Clock)."""
+    `level_or_controller(clock)` (a callable taking the Clock). The controller is told of each first token and of
+    the tokens as they come (streamed), or (`streamed=False`, as with generate.stream=false) of each answer's
+    tokens when it ends."""
     rng = np.random.default_rng(seed)
     clock = Clock()
     fixed = isinstance(level_or_controller, int)
@@ -88,6 +90,7 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
     # the sequences in slots: sent time, tokens left, tokens in all, prefill left (s), own speed
     sent, left, total = np.zeros(0), np.zeros(0), np.zeros(0)
     prefill, speed, ttft = np.zeros(0), np.zeros(0), np.zeros(0)
+    told = np.zeros(0, dtype=bool)  # the controller was told of the sequence's first token
     queue: deque = deque()  # (sent time, tokens, speed) waiting for a slot
     drift, produced, steady_tokens = 0.0, 0.0, 0.0
     series, bucket, next_tick, next_point = [], 0.0, 1.0, every_s or duration_s + 1
@@ -109,6 +112,7 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
             prefill = np.append(prefill, engine.ttft_s * max(1.0, active_now / knee) ** 0.5)
             ttft = np.append(ttft, t - s0 + prefill[-1])
             speed = np.append(speed, sp)
+            told = np.append(told, False)
         decoding = prefill <= 0
         active = int(decoding.sum())
         drift = drift * math.exp(-dt / 10) + rng.normal(0, engine.noise / 2 * math.sqrt(2 * dt / 10))
@@ -118,7 +122,10 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
         made = float(done_tokens.sum())
         produced += made
         bucket += made
-        if ctl is not None:
+        if ctl is not None and streamed:
+            for first in ttft[decoding & ~told]:
+                ctl.started(float(first))
+            told = told | decoding
             ctl.arrived(made)
         if t >= steady_from * duration_s:
             steady_tokens += made
@@ -130,12 +137,12 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
             if ctl is not None:
                 for w, s0, tok, first in sorted(zip(when, sent[finished], total[finished], ttft[finished])):
                     clock.t = max(w, s0)
-                    ctl.completed(int(tok), clock.t - s0, float(first), streamed_tokens=int(tok))
+                    ctl.completed(int(tok), clock.t - s0, float(first), int(tok) if streamed else 0)
                     if hasattr(ctl, "answered"):  # the latency-based alternatives
                         ctl.answered(int(tok), clock.t - s0)
             keep = ~finished
             sent, left, total, prefill, speed = sent[keep], left[keep], total[keep], prefill[keep], speed[keep]
-            ttft = ttft[keep]
+            ttft, told = ttft[keep], told[keep]
         t += dt
         clock.t = t
         if ctl is not None and t >= next_tick:

@@ -125,7 +125,8 @@ def window(controller: LevelController, clock: list, rate: float, tokens: int = 
     """One window at the controller's level measuring `rate` tok/s, its tokens streamed every second: the level
     after it."""
     level, decided = controller.level, len(controller.history)
-    controller.completed(tokens, 1.0, 0.5, streamed_tokens=tokens)
+    controller.started(0.5)
+    controller.completed(tokens, 1.0, streamed_tokens=tokens)
     for _ in range(1000):
         clock[0] += 1.0
         controller.arrived(rate)
@@ -204,7 +205,8 @@ def test_a_neighbour_within_the_noise_is_measured_again_before_it_decides():
 
     def noisy_window(rate: float) -> int:
         level, decided = controller.level, len(controller.history)
-        controller.completed(100, 1.0, 0.5, streamed_tokens=100)
+        controller.started(0.5)
+        controller.completed(100, 1.0, streamed_tokens=100)
         for second in range(1000):  # the tokens of a second off by 40% either way
             clock[0] += 1.0
             controller.arrived(rate * (1.4 if second % 2 else 0.6))
@@ -281,12 +283,11 @@ def test_a_window_of_zero_tokens_does_not_stop_the_search():
     clock = [0.0]
     controller = LevelController(level=8, low=1, high=64, clock=lambda: clock[0])
     for tokens in (0, 10, 0, 0, 10, 10, 0, 10):
-        level = controller.level
-        for _ in range(200):
-            clock[0] += 0.05
-            controller.completed(tokens, 0.01)
-        clock[0] += 3
-        controller.tick(level)
+        for _ in range(10):  # ten seconds of 20 answers each
+            for _ in range(20):
+                clock[0] += 0.05
+                controller.completed(tokens, 0.01)
+            controller.tick(controller.level)
         assert 1 <= controller.level <= 64
     assert controller.best_rate > 0
 
@@ -474,3 +475,57 @@ def test_the_client_at_a_core_is_named_as_the_limit_in_the_bar_and_the_metrics(m
         assert metrics["client_cpu_cores_now"] == pytest.approx(cores)
         assert metrics["client_bound"] == float(bound)
         assert (metrics["client_bound_share"] > 0.3) is bound
+
+
+def test_the_first_window_waits_for_the_first_tokens_not_for_an_answer_to_end():
+    """From an assessed 48 past a steep knee, answers may take minutes: the first window starts once the first
+    tokens have come (the level held 1 s + their wait by then) and is decided WINDOW_S later, with no answer ended."""
+    clock = [0.0]
+    controller = LevelController.starting_at(48, 1, 256, clock=lambda: clock[0])
+    for second in range(1, 30):
+        clock[0] += 1.0
+        if second == 10:
+            controller.started(2.0)  # the first tokens came 2 s after their request was sent
+        controller.arrived(300.0)
+        controller.tick(48)
+        if second < 12:
+            assert not controller.history, second
+    assert controller.history[0] == (12.0, 48, pytest.approx(300.0))
+
+
+def test_an_unstreamed_window_waits_for_a_levels_worth_of_answers_not_for_its_seconds():
+    """Unstreamed, tokens come only as whole answers end: a few seconds in which none ended say nothing (read as 0
+    tok/s, the level would look far worse). A window holds until as many answers as the level have ended."""
+    clock = [0.0]
+    controller = LevelController(level=8, low=1, high=64, clock=lambda: clock[0])
+    ended = 0
+    for second in range(1, 60):
+        clock[0] += 1.0
+        if second % 3 == 0:  # an answer of 300 tokens every 3 s, 5 s after it was sent: 100 tok/s
+            controller.completed(300, 5.0)
+            ended += 1
+        controller.tick(8)
+        if controller.history:
+            break
+    assert controller.history[0][1:] == (8, pytest.approx(100.0, rel=0.2))
+    assert ended >= 1 + 8  # one while the level settled (1 s + the answers' 5 s), then eight in the window
+
+
+def test_a_long_pause_between_ticks_is_not_read_as_a_rate():
+    """A tick long after the last (the process was stopped, then resumed) brings whatever came in between: the window
+    starts again instead of deciding a level on it."""
+    clock = [0.0]
+    controller = LevelController(level=8, low=1, high=64, clock=lambda: clock[0])
+    controller.started(0.5)
+    for _ in range(3):
+        clock[0] += 1.0
+        controller.arrived(100.0)
+        controller.tick(8)
+    clock[0] += 1000.0
+    controller.arrived(900_000.0)  # 900 tok/s over the pause, against 100 before and after it
+    controller.tick(8)
+    while not controller.history:
+        clock[0] += 1.0
+        controller.arrived(100.0)
+        controller.tick(8)
+    assert controller.history[0][1:] == (8, pytest.approx(100.0))

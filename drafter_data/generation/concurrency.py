@@ -4,7 +4,8 @@ A window measures one level by the tokens that arrive while it holds (streamed: 
 an answer's tokens when it ends), once it has settled: after a step down the requests above it have finished, then
 the first tokens of its new requests have had time to come (1 s + SETTLE x the usual wait for them). It lasts
 WINDOW_S, longer (up to STRETCH x) when windows of the best spread by over SPREAD; one FAR worse than the best, or
-better going up, is decided at WINDOW_S. Its standard error comes from its per-second rates.
+better going up, is decided at WINDOW_S; unstreamed, it lasts at least until max(ANSWERS, level) answers have ended.
+Its standard error comes from its per-second rates.
 The search, on a log scale, over the levels measured since the server last changed:
   1. expand: while the best has no measured level above (or below) it, probe one stride further: x2 from nothing,
      x1.25 on a re-probe, the stride doubling while probes win (to x1.56 at most on a re-probe). From an assessed
@@ -36,6 +37,7 @@ SHIFT = 0.15  # the best re-measured this far off its pooled rate: the server ch
 FAR = 0.3  # a window this far below the best is decided at WINDOW_S
 WINDOW_S = 3.0  # a window's seconds, made longer (up to STRETCH x) when the best's windows spread over SPREAD
 SPREAD, STRETCH = 0.05, 8.0
+ANSWERS = 4  # an unstreamed window's fewest answers (and a level's worth)
 SETTLE = 1.0  # a window starts 1 s plus this many first-token waits after its level is set
 
 
@@ -47,11 +49,18 @@ class Window:
     r: float = 0.0
     rr: float = 0.0
     busy: float = 0.0  # the sum over the ticks of the requests in flight
+    answers: int = 0  # unstreamed answers ended, and their tokens (counted when they end)
+    late: float = 0.0
 
-    def add(self, tokens: float, seconds: float, in_flight: int) -> None:
+    def add(self, tokens: float, seconds: float, in_flight: int, answers: int = 0, late: float = 0.0) -> None:
         rate = tokens / max(seconds, 1e-9)
         self.tokens, self.seconds, self.n = self.tokens + tokens, self.seconds + seconds, self.n + 1
         self.r, self.rr, self.busy = self.r + rate, self.rr + rate * rate, self.busy + in_flight
+        self.answers, self.late = self.answers + answers, self.late + late
+
+    def unstreamed(self) -> bool:
+        """Most of its tokens came whole at their answers' end: a few seconds of them say little."""
+        return self.late > self.tokens / 2
 
     def merged(self, other: Window) -> Window:
         return Window(*(a + b for a, b in zip(vars(self).values(), vars(other).values())))
@@ -90,6 +99,9 @@ class LevelController:
     _started: float = 0.0
     _last_tick: float = 0.0
     _arrived: float = 0.0  # tokens since the last tick
+    _ended: int = 0  # unstreamed answers since the last tick, and their tokens
+    _late: float = 0.0
+    _whole: bool = False  # the last answer with tokens was unstreamed: its tokens came only at its end
     _first_s: float | None = None  # the usual wait for a request's first token (unstreamed: for its answer)
     _settled: bool = True
 
@@ -109,40 +121,53 @@ class LevelController:
     def best_rate(self) -> float:
         return self._rate(self.best) if self.best in self.measured else 0.0
 
+    def started(self, first_s: float) -> None:
+        """A streamed answer's first tokens arrived, `first_s` after its request was sent: the first tells how long
+        the first window waits (the usual wait is then taken from the answers that end)."""
+        if self._first_s is None:
+            self._first_s = first_s
+
     def arrived(self, tokens: float = 1) -> None:
         """Tokens of an answer arrived (a streamed chunk)."""
         self._arrived += tokens
 
     def completed(self, tokens: int, latency_s: float, first_s: float | None = None, streamed_tokens: int = 0) -> None:
-        """An answer ended, `latency_s` after it was sent, its first tokens `first_s` after (unstreamed: at the end).
+        """An answer ended, `latency_s` after it was sent, its first tokens `first_s` after (unstreamed: at its end).
         Tokens not streamed arrive now; an empty answer (or a server that sends no usage) counts one: windows then
         compare answers per second."""
-        first_s = latency_s if first_s is None else first_s
+        first_s = latency_s if first_s is None or not streamed_tokens else first_s
         self._first_s = first_s if self._first_s is None else 0.8 * self._first_s + 0.2 * first_s
+        if tokens > 0 or streamed_tokens:
+            self._whole = not streamed_tokens
         if not streamed_tokens:
             self._arrived += max(tokens, 1)
+            self._late += max(tokens, 1)
+            self._ended += 1
 
     def tick(self, in_flight: int) -> int | None:
         """Called about once a second with the server's requests in flight: the new level when it changes."""
         now = self.clock()
         tokens, seconds, self._arrived, self._last_tick = self._arrived, now - self._last_tick, 0.0, now
+        ended, late, self._ended, self._late = self._ended, self._late, 0, 0.0
         if not self._settled:  # after a step down, the requests above the new level finish first
             if in_flight > self.level:
                 return None
             self._settled = True
             self._start(now)
+        if seconds > 10.0:  # no tick for long (the process was stopped): what came in between is no rate
+            self._start(now)
         if self._first_s is None or now - self._started < 1.0 + SETTLE * self._first_s or seconds <= 0:
-            return None  # the new level's first tokens are still on their way (or no answer has ended yet)
+            return None  # the new level's first tokens are still on their way (or no first tokens yet)
         w, level = self._window, self.level
-        w.add(tokens, seconds, in_flight)
+        w.add(tokens, seconds, in_flight, ended, late)
         stretch = min(STRETCH, max(1.0, self._spread2 / SPREAD ** 2)) if self.measured else 1.0
         needed = WINDOW_S * stretch
         if self.best != level and self.best in self.measured and w.seconds >= WINDOW_S:
             ratio = self._score(w.rate(), level) / self._score(self.best_rate, self.best)
             if ratio < 1 - FAR or ratio > 1 + FAR and level > self.best:
                 needed = WINDOW_S  # far worse (more would only cost) or far better
-        if w.seconds < needed:
-            return None
+        if w.seconds < needed or (self._whole or w.unstreamed()) and w.answers < max(ANSWERS, level):
+            return None  # unstreamed: a few seconds of whole answers say little
         if w.busy < 0.8 * level * w.n:  # too little work to fill the level: nothing learnt
             self._start(now)
             return None
@@ -219,7 +244,8 @@ class LevelController:
         return self._next() if best < self.high else best
 
     def _noise(self, level: int, w: Window | None = None) -> float:
-        """A rate's relative standard error: from its requests, at least the spread between windows of the best."""
+        """A rate's relative standard error: from its per-second rates, at least the spread between the best's
+        windows."""
         windows = [w] if w else self.measured[level]
         within = w.noise() if w else self._pooled(level).noise()
         return max(within, math.sqrt(self._spread2 / len(windows)))

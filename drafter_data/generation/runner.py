@@ -419,12 +419,16 @@ class Runner:
 
 
 def _counter(controller, count: list):
-    """on_output for one request: the chunk arrived at the server's level controller, and counted."""
+    """on_output for one request, sent now: each chunk arrives at the server's level controller, and is counted;
+    the first tells it how long the first tokens took."""
     if controller is None:
         return None
+    sent = time.monotonic()
 
     def on_output() -> None:
         count[0] += 1
+        if count[0] == 1:
+            controller.started(time.monotonic() - sent)
         controller.arrived(1)
     return on_output
 
