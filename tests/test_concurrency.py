@@ -529,3 +529,36 @@ def test_a_long_pause_between_ticks_is_not_read_as_a_rate():
         controller.arrived(100.0)
         controller.tick(8)
     assert controller.history[0][1:] == (8, pytest.approx(100.0))
+
+
+def test_an_empty_answer_does_not_make_a_streaming_server_wait_for_whole_answers():
+    """An answer with no output streams no chunk and ends at once (its stop token in the usage): the server still
+    streams, and the window at 48 is decided on the streamed tokens, not held for four answers to end."""
+    clock = [0.0]
+    controller = LevelController.starting_at(48, 1, 256, clock=lambda: clock[0])
+    for second in range(1, 300):
+        clock[0] += 1.0
+        if second == 10:
+            controller.started(2.0)
+        if second == 11:
+            controller.completed(1, 11.0, None, streamed_tokens=0)
+        controller.arrived(300.0)
+        controller.tick(48)
+        if controller.history:
+            break
+    assert controller.history[0] == (12.0, 48, pytest.approx(300.0, rel=0.01))
+
+
+def test_unstreamed_answers_without_usage_are_waited_for_too():
+    """A server that sends neither chunks nor usage: each answer counts one token when it ends; seconds in which none
+    ended are not read as 0 tok/s."""
+    clock = [0.0]
+    controller = LevelController(level=8, low=1, high=64, clock=lambda: clock[0])
+    for second in range(1, 200):
+        clock[0] += 1.0
+        if second % 5 == 0:
+            controller.completed(0, 5.0)
+        controller.tick(8)
+        if controller.history:
+            break
+    assert controller.history[0][1:] == (8, pytest.approx(0.2, rel=0.3))

@@ -101,7 +101,8 @@ class LevelController:
     _arrived: float = 0.0  # tokens since the last tick
     _ended: int = 0  # unstreamed answers since the last tick, and their tokens
     _late: float = 0.0
-    _whole: bool = False  # the last answer with tokens was unstreamed: its tokens came only at its end
+    _streams: bool = False  # a streamed chunk has come (else answers come whole, their tokens at their end)
+    _answered: bool = False  # an answer has ended (its first-token wait then counts instead of the first chunks')
     _first_s: float | None = None  # the usual wait for a request's first token (unstreamed: for its answer)
     _settled: bool = True
 
@@ -122,10 +123,11 @@ class LevelController:
         return self._rate(self.best) if self.best in self.measured else 0.0
 
     def started(self, first_s: float) -> None:
-        """A streamed answer's first tokens arrived, `first_s` after its request was sent: the first tells how long
-        the first window waits (the usual wait is then taken from the answers that end)."""
-        if self._first_s is None:
-            self._first_s = first_s
+        """A streamed answer's first tokens arrived, `first_s` after its request was sent: until an answer ends,
+        these tell how long a window waits (then the ended answers' waits do)."""
+        self._streams = True
+        if not self._answered:
+            self._first_s = first_s if self._first_s is None else 0.8 * self._first_s + 0.2 * first_s
 
     def arrived(self, tokens: float = 1) -> None:
         """Tokens of an answer arrived (a streamed chunk)."""
@@ -137,8 +139,7 @@ class LevelController:
         compare answers per second."""
         first_s = latency_s if first_s is None or not streamed_tokens else first_s
         self._first_s = first_s if self._first_s is None else 0.8 * self._first_s + 0.2 * first_s
-        if tokens > 0 or streamed_tokens:
-            self._whole = not streamed_tokens
+        self._answered = True
         if not streamed_tokens:
             self._arrived += max(tokens, 1)
             self._late += max(tokens, 1)
@@ -154,7 +155,7 @@ class LevelController:
                 return None
             self._settled = True
             self._start(now)
-        if seconds > 10.0:  # no tick for long (the process was stopped): what came in between is no rate
+        if seconds > 60.0:  # no tick for a minute (the process was stopped): what came in between is no rate
             self._start(now)
         if self._first_s is None or now - self._started < 1.0 + SETTLE * self._first_s or seconds <= 0:
             return None  # the new level's first tokens are still on their way (or no first tokens yet)
@@ -166,7 +167,7 @@ class LevelController:
             ratio = self._score(w.rate(), level) / self._score(self.best_rate, self.best)
             if ratio < 1 - FAR or ratio > 1 + FAR and level > self.best:
                 needed = WINDOW_S  # far worse (more would only cost) or far better
-        if w.seconds < needed or (self._whole or w.unstreamed()) and w.answers < max(ANSWERS, level):
+        if w.seconds < needed or (not self._streams or w.unstreamed()) and w.answers < max(ANSWERS, level):
             return None  # unstreamed: a few seconds of whole answers say little
         if w.busy < 0.8 * level * w.n:  # too little work to fill the level: nothing learnt
             self._start(now)
