@@ -30,13 +30,10 @@ class _Latency:
         self._tokens += max(tokens, 1)
         self._seconds += latency_s
 
-    def started(self, first_s: float) -> None:
+    def arrived(self, tokens: float, first_s: float | None = None) -> None:
         pass
 
-    def arrived(self, tokens: float) -> None:
-        pass
-
-    def completed(self, tokens: int, latency_s: float, first_s: float | None = None, streamed_tokens: int = 0) -> None:
+    def completed(self, tokens: int, latency_s: float, first_s: float | None = None) -> None:
         pass
 
     def _per_token(self) -> float | None:

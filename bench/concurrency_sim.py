@@ -8,8 +8,9 @@ with `active` the decoding sequences: `bend` gives diminishing returns from the 
 `power` the knee's sharpness (plateau: 0 with slots = knee, requests past it only queue; gentle: 1.2, tok/s falls
 slowly past the knee; steep: 2, as (active / 24) ** 2). Answers are long-tailed (lognormal, 50 to 4,000 tokens),
 each sequence runs at its own speed (off by `noise`), and the whole engine drifts slowly (a random walk of `noise` / 2
-over ~10 s). The knee can move mid-run (`move_at`, `moved_knee`). The client keeps `level` requests in flight (a
-lower level sends nothing until in-flight ones finish), as generate's workers do.
+over ~10 s). The knee can move mid-run (`move_at`, `moved_knee`). The client keeps `level` requests in flight, as generate's workers do:
+a lower level withdraws the youngest requests sent at the level before it (their tokens so far are lost; streamed
+only, as the stage does), the older ones finish first.
 """
 from __future__ import annotations
 
@@ -94,11 +95,24 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
     queue: deque = deque()  # (sent time, tokens, speed) waiting for a slot
     drift, produced, steady_tokens = 0.0, 0.0, 0.0
     series, bucket, next_tick, next_point = [], 0.0, 1.0, every_s or duration_s + 1
-    t = 0.0
+    t = before_set = level_set = 0.0
     while t < duration_s:
         knee = engine.moved_knee if engine.move_at is not None and t >= engine.move_at * duration_s else engine.knee
         level = level_or_controller if fixed else ctl.level
         in_flight = len(sent) + len(queue)
+        if in_flight > level and not fixed and streamed:  # withdrawn: the youngest sent at the level before
+            while queue and len(sent) + len(queue) > level and queue[-1][0] >= before_set:
+                queue.pop()
+            young = [j for j in np.argsort(sent)[::-1][:len(sent) + len(queue) - level] if sent[j] >= before_set]
+            if young:
+                lost = float((total[young] - left[young]).sum())  # their tokens so far are thrown away
+                produced -= lost
+                steady_tokens -= lost if t >= steady_from * duration_s else 0.0
+                keep = np.ones(len(sent), dtype=bool)
+                keep[young] = False
+                sent, left, total, prefill, speed = sent[keep], left[keep], total[keep], prefill[keep], speed[keep]
+                ttft, told = ttft[keep], told[keep]
+            in_flight = len(sent) + len(queue)
         if in_flight < level:  # the client sends while the level allows
             k = level - in_flight
             tokens = np.clip(rng.lognormal(math.log(engine.median_tokens), engine.sigma, k), engine.min_tokens,
@@ -124,7 +138,7 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
         bucket += made
         if ctl is not None and streamed:
             for first in ttft[decoding & ~told]:
-                ctl.started(float(first))
+                ctl.arrived(0, first_s=float(first))
             told = told | decoding
             ctl.arrived(made)
         if t >= steady_from * duration_s:
@@ -137,7 +151,7 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
             if ctl is not None:
                 for w, s0, tok, first in sorted(zip(when, sent[finished], total[finished], ttft[finished])):
                     clock.t = max(w, s0)
-                    ctl.completed(int(tok), clock.t - s0, float(first), int(tok) if streamed else 0)
+                    ctl.completed(int(tok), clock.t - s0, float(first) if streamed else None)
                     if hasattr(ctl, "answered"):  # the latency-based alternatives
                         ctl.answered(int(tok), clock.t - s0)
             keep = ~finished
@@ -146,7 +160,8 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
         t += dt
         clock.t = t
         if ctl is not None and t >= next_tick:
-            ctl.tick(len(sent) + len(queue))
+            if ctl.tick(len(sent) + len(queue)) is not None:
+                before_set, level_set = level_set, t
             next_tick += 1.0
         if t >= next_point:
             series.append((t, level, bucket / every_s))

@@ -825,7 +825,10 @@ class FakeServer:
 
     async def chat(self, request):
         self.requests += 1
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ConnectionResetError:  # the client went away before its body came (generate withdrew the request)
+            return web.Response(status=499)
         self.request_log.append({"index": len(self.request_log), "received": time.time(), "body": body})
         flight = Flight(request)
         self.inflight.add(flight)

@@ -1,15 +1,19 @@
 """generation.concurrency=auto: the level controller finds a server's best level and follows it when it moves,
 on a simulated server (deterministic clock) with a throughput knee; the stage runs with it end to end."""
-import io
+import asyncio
 import heapq
+import io
 import itertools
 import json
 import math
+import os
 import random
+import signal
 
 import pytest
 
 from drafter_data.generation.concurrency import LevelController
+from drafter_data.server.pool import ServerPool, ServerState
 from tests.conftest import read_rows, write_prompts
 from tests.test_generate import check_exactly_once, gen_args
 
@@ -125,8 +129,8 @@ def window(controller: LevelController, clock: list, rate: float, tokens: int = 
     """One window at the controller's level measuring `rate` tok/s, its tokens streamed every second: the level
     after it."""
     level, decided = controller.level, len(controller.history)
-    controller.started(0.5)
-    controller.completed(tokens, 1.0, streamed_tokens=tokens)
+    controller.arrived(0, first_s=0.5)
+    controller.completed(tokens, 1.0, first_s=0.5)
     for _ in range(1000):
         clock[0] += 1.0
         controller.arrived(rate)
@@ -205,8 +209,8 @@ def test_a_neighbour_within_the_noise_is_measured_again_before_it_decides():
 
     def noisy_window(rate: float) -> int:
         level, decided = controller.level, len(controller.history)
-        controller.started(0.5)
-        controller.completed(100, 1.0, streamed_tokens=100)
+        controller.arrived(0, first_s=0.5)
+        controller.completed(100, 1.0, first_s=0.5)
         for second in range(1000):  # the tokens of a second off by 40% either way
             clock[0] += 1.0
             controller.arrived(rate * (1.4 if second % 2 else 0.6))
@@ -372,6 +376,89 @@ def test_a_server_that_sends_no_usage_is_named_and_auto_still_climbs(run_stage, 
     assert max(level for _, level, _ in levels) >= 16, levels
 
 
+def test_a_start_far_past_a_steep_knee_withdraws_its_youngest_requests_and_sends_them_again(run_stage, fake_server,
+                                                                                               tmp_path):
+    """Assessed at 32 on a server whose knee is 4 (each token (32 / 4) ** 2 = 64 delays: ~10 s an answer): the step
+    down withdraws the requests over the new level instead of waiting for them; each is sent again and stored once,
+    costing no attempt."""
+    config = {"token_delay_s": 0.002, "knee": 4, "knee_penalty": 2.0, "reasoning_words": 30, "content_words": 50}
+    server = fake_server(config)
+    prompts = write_prompts(tmp_path / "in", 80)
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"best": {"concurrency": 32, "output_tokens_per_s": 500.0},
+                                   "server": {"model": "fake-model", "url": server.url, "kind": "remote"}}))
+    run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
+                                    "generation.concurrency_max=32", "generation.token_ids=off",
+                                    f"generate.assessment={metrics}"))
+    check_exactly_once(prompts, tmp_path / "out", config)
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    levels = [level for _, level, _ in next(iter(summary["concurrency_levels"].values()))]
+    assert levels[0] == 32 and min(levels) <= 16, levels
+    withdrawn = summary["withdrawn_requests"]
+    assert 1 <= withdrawn and summary["errors"] == summary["retries"] == 0, summary
+    asked = {p["messages"][0]["content"] for p in prompts}
+    sent = [r for r in server.requests() if r["body"]["messages"][-1]["content"] in asked]  # (not preflight's)
+    assert len(sent) == len(prompts) + withdrawn, (len(sent), withdrawn)
+    stats = server.stats()
+    assert not stats["faults"] and set(stats["completed"].values()) == {1}, stats  # none answered to the end twice
+
+
+def test_nothing_is_withdrawn_once_the_run_is_stopping(fake_server, tmp_path, mlflow_uri):
+    """After a first signal the requests in flight get their grace period: the level no longer moves, so the step
+    down that would come seconds later (as in the test above) withdraws none of them."""
+    from tests.test_generate_reliability import served_prompts, start, wait_until
+
+    config = {"token_delay_s": 0.002, "knee": 4, "knee_penalty": 2.0, "reasoning_words": 30, "content_words": 50}
+    server = fake_server(config)
+    prompts = write_prompts(tmp_path / "in", 80)
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"best": {"concurrency": 32, "output_tokens_per_s": 500.0},
+                                   "server": {"model": "fake-model", "url": server.url, "kind": "remote"}}))
+    proc = start(gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
+                          "generation.concurrency_max=32", "generation.token_ids=off", "generate.grace_period_s=60",
+                          f"generate.assessment={metrics}"), mlflow_uri)
+    wait_until(lambda: server.stats()["inflight"] >= 32, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(120) == 128 + signal.SIGINT, proc.stderr.read()[-2000:]
+    rows = read_rows(tmp_path / "out", "completions-")
+    assert len(rows) >= 32 and served_prompts(server, prompts) == len(rows), len(rows)
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["withdrawn_requests"] == 0
+
+
+def test_a_lower_limit_withdraws_only_the_youngest_requests_sent_at_the_level_before():
+    """Of the requests over the new limit, those sent since the last change, youngest first; older ones (maybe
+    nearly done) finish. Only when asked (a server that streams)."""
+    async def scenario():
+        server = ServerState("http://x", client=None)
+        pool = ServerPool([server], down_timeout_s=60)
+        pool.set_limit(server, 4)
+        calls = []
+        for sent in (1.0, 2.0, 3.0, 4.0):
+            calls.append(asyncio.ensure_future(asyncio.sleep(60)))
+            server.calls[calls[-1]] = sent
+            server.outstanding += 1
+        pool.set_limit(server, 2)  # a server that does not stream: none withdrawn
+        await asyncio.sleep(0)
+        kept = [c.cancelled() for c in calls]
+        server.limit = 4
+        server.limit_since = 2.5  # the level 4 was set after the first two were sent
+        pool.set_limit(server, 1, withdraw=True)
+        await asyncio.sleep(0)
+        withdrawn = [c.cancelled() for c in calls]
+        assert server.withdrawn == set(calls[2:]) and server.limit == 1
+        pool.set_limit(server, 3, withdraw=True)  # a higher limit withdraws nothing more
+        await asyncio.sleep(0)
+        again = [c.cancelled() for c in calls]
+        for c in calls:
+            c.cancel()
+        return kept, withdrawn, again
+
+    kept, withdrawn, again = asyncio.run(scenario())
+    assert kept == [False] * 4
+    assert withdrawn == [False, False, True, True]
+    assert again == withdrawn
+
+
 def test_no_usage_warning_when_generate_asks_unstreamed_with_its_token_ids(run_stage, fake_server, tmp_path):
     """llama-server's token ids come only unstreamed, where usage comes with the answer: a stream without usage (the
     probe's) says nothing of generate's requests, which then count their tokens."""
@@ -485,7 +572,7 @@ def test_the_first_window_waits_for_the_first_tokens_not_for_an_answer_to_end():
     for second in range(1, 30):
         clock[0] += 1.0
         if second == 10:
-            controller.started(2.0)  # the first tokens came 2 s after their request was sent
+            controller.arrived(0, first_s=2.0)  # the first tokens came 2 s after their request was sent
         controller.arrived(300.0)
         controller.tick(48)
         if second < 12:
@@ -516,7 +603,7 @@ def test_a_long_pause_between_ticks_is_not_read_as_a_rate():
     starts again instead of deciding a level on it."""
     clock = [0.0]
     controller = LevelController(level=8, low=1, high=64, clock=lambda: clock[0])
-    controller.started(0.5)
+    controller.arrived(0, first_s=0.5)
     for _ in range(3):
         clock[0] += 1.0
         controller.arrived(100.0)
@@ -539,9 +626,9 @@ def test_an_empty_answer_does_not_make_a_streaming_server_wait_for_whole_answers
     for second in range(1, 300):
         clock[0] += 1.0
         if second == 10:
-            controller.started(2.0)
+            controller.arrived(0, first_s=2.0)
         if second == 11:
-            controller.completed(1, 11.0, None, streamed_tokens=0)
+            controller.completed(1, 11.0)
         controller.arrived(300.0)
         controller.tick(48)
         if controller.history:

@@ -1,11 +1,11 @@
 """generation.concurrency=auto: each server's level (requests in flight) follows its best by a bracketing search.
 
 A window measures one level by the tokens that arrive while it holds (streamed: each chunk as it comes; unstreamed:
-an answer's tokens when it ends), once it has settled: after a step down the requests above it have finished, then
-the first tokens of its new requests have had time to come (1 s + SETTLE x the usual wait for them). It lasts
-WINDOW_S, longer (up to STRETCH x) when windows of the best spread by over SPREAD; one FAR worse than the best, or
-better going up, is decided at WINDOW_S; unstreamed, it lasts at least until max(ANSWERS, level) answers have ended.
-Its standard error comes from its per-second rates.
+an answer's tokens when it ends), once it has settled: after a step down the requests above it have finished (or
+been withdrawn: server/pool.py), then the first tokens of its new requests have had time to come (1 s + SETTLE x the
+usual wait for them). It lasts WINDOW_S, longer (up to STRETCH x) when windows of the best spread by over SPREAD;
+one FAR worse than the best, or better going up, is decided at WINDOW_S; unstreamed, it lasts at least until
+max(ANSWERS, level) answers have ended. Its standard error comes from its per-second rates.
 The search, on a log scale, over the levels measured since the server last changed:
   1. expand: while the best has no measured level above (or below) it, probe one stride further: x2 from nothing,
      x1.25 on a re-probe, the stride doubling while probes win (to x1.56 at most on a re-probe). From an assessed
@@ -86,6 +86,7 @@ class LevelController:
     direction: int = 1  # the side expanded first when both are open
     clock: object = time.monotonic
     history: list = field(default_factory=list)  # (time, level, tokens/s) per decided window
+    streams: bool = False  # a streamed chunk has come (else answers come whole, their tokens at their end)
     measured: dict = field(default_factory=dict)  # level -> its windows since the server last changed
     best: int = 0
     _held: int = 0
@@ -101,7 +102,6 @@ class LevelController:
     _arrived: float = 0.0  # tokens since the last tick
     _ended: int = 0  # unstreamed answers since the last tick, and their tokens
     _late: float = 0.0
-    _streams: bool = False  # a streamed chunk has come (else answers come whole, their tokens at their end)
     _answered: bool = False  # an answer has ended (its first-token wait then counts instead of the first chunks')
     _first_s: float | None = None  # the usual wait for a request's first token (unstreamed: for its answer)
     _settled: bool = True
@@ -122,25 +122,23 @@ class LevelController:
     def best_rate(self) -> float:
         return self._rate(self.best) if self.best in self.measured else 0.0
 
-    def started(self, first_s: float) -> None:
-        """A streamed answer's first tokens arrived, `first_s` after its request was sent: until an answer ends,
-        these tell how long a window waits (then the ended answers' waits do)."""
-        self._streams = True
-        if not self._answered:
-            self._first_s = first_s if self._first_s is None else 0.8 * self._first_s + 0.2 * first_s
-
-    def arrived(self, tokens: float = 1) -> None:
-        """Tokens of an answer arrived (a streamed chunk)."""
+    def arrived(self, tokens: float = 1, first_s: float | None = None) -> None:
+        """Tokens of an answer arrived (a streamed chunk); its first, `first_s` after its request was sent: until an
+        answer ends, these tell how long a window waits (then the ended answers' waits do)."""
         self._arrived += tokens
+        if first_s is not None:
+            self.streams = True
+            if not self._answered:
+                self._first_s = first_s if self._first_s is None else 0.8 * self._first_s + 0.2 * first_s
 
-    def completed(self, tokens: int, latency_s: float, first_s: float | None = None, streamed_tokens: int = 0) -> None:
-        """An answer ended, `latency_s` after it was sent, its first tokens `first_s` after (unstreamed: at its end).
-        Tokens not streamed arrive now; an empty answer (or a server that sends no usage) counts one: windows then
-        compare answers per second."""
-        first_s = latency_s if first_s is None or not streamed_tokens else first_s
-        self._first_s = first_s if self._first_s is None else 0.8 * self._first_s + 0.2 * first_s
+    def completed(self, tokens: int, latency_s: float, first_s: float | None = None) -> None:
+        """An answer ended, `latency_s` after it was sent, its first tokens streamed `first_s` after (None: it came
+        whole, its tokens arrive now; an empty answer, or a server that sends no usage, counts one: windows then
+        compare answers per second)."""
+        wait = latency_s if first_s is None else first_s
+        self._first_s = wait if self._first_s is None else 0.8 * self._first_s + 0.2 * wait
         self._answered = True
-        if not streamed_tokens:
+        if first_s is None:
             self._arrived += max(tokens, 1)
             self._late += max(tokens, 1)
             self._ended += 1
@@ -167,7 +165,7 @@ class LevelController:
             ratio = self._score(w.rate(), level) / self._score(self.best_rate, self.best)
             if ratio < 1 - FAR or ratio > 1 + FAR and level > self.best:
                 needed = WINDOW_S  # far worse (more would only cost) or far better
-        if w.seconds < needed or (not self._streams or w.unstreamed()) and w.answers < max(ANSWERS, level):
+        if w.seconds < needed or (not self.streams or w.unstreamed()) and w.answers < max(ANSWERS, level):
             return None  # unstreamed: a few seconds of whole answers say little
         if w.busy < 0.8 * level * w.n:  # too little work to fill the level: nothing learnt
             self._start(now)

@@ -26,6 +26,7 @@ class Counters:
     done: int = 0
     errors: int = 0
     retries: int = 0
+    withdrawn: int = 0  # requests withdrawn when auto lowered a server's level (sent again, no attempt lost)
     output_tokens: int = 0
     stopped_by_error: int = 0  # conversations whose later turns were lost with a turn that failed for good
     stopped_at_length: int = 0  # conversations ended by a turn cut at max_tokens (its context would be cut)
@@ -200,6 +201,7 @@ class Progress:
         steady = self.c.steady_tokens / self.c.steady_slot_s if self.c.steady_slot_s > 0 else None
         return {
             "completions": self.c.done, "errors": self.c.errors, "retries": self.c.retries,
+            "withdrawn_requests": self.c.withdrawn,
             "stopped_by_error": self.c.stopped_by_error, "stopped_at_length": self.c.stopped_at_length,
             "stopped_at_tool_call": self.c.stopped_at_tool_call,
             "thinking_without_reasoning": self.c.thinking_without_reasoning,

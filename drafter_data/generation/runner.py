@@ -133,21 +133,29 @@ class Runner:
                 self.pool.release(server)
                 break
             spec = server.spec or self.spec
-            streamed = [0]  # concurrency=auto measures the chunks of output as they arrive
+            controller = server.controller  # concurrency=auto measures the chunks of output as they arrive
+            call = asyncio.ensure_future(complete(server.client, spec, sent, tools, thinking=conv.thinking,
+                                                  stream=self.settings.stream,
+                                                  on_output=controller.arrived if controller else None))
+            server.calls[call] = time.monotonic()
             try:
-                done = await complete(server.client, spec, sent, tools, thinking=conv.thinking,
-                                      stream=self.settings.stream, on_output=_counter(server.controller, streamed))
+                done = await call
             except asyncio.CancelledError:
-                raise
+                if call not in server.withdrawn or asyncio.current_task().cancelling():
+                    raise
+                self.c.withdrawn += 1  # the level went down: sent again, no attempt lost
+                continue
             except Exception as exc:  # noqa: BLE001 - every fault is classified below
                 fault = classify(exc).at(server.url)
             else:
                 self.pool.succeeded(server)
                 self.run_wide_streak = self.failed_streak = 0
-                if server.controller is not None:
-                    server.controller.completed(done.completion_tokens, done.latency_s, done.ttft_s, streamed[0])
+                if controller is not None:
+                    controller.completed(done.completion_tokens, done.latency_s, done.ttft_s)
                 return done, spec.token_ids_via if done.completion_token_ids is not None else None
             finally:
+                server.calls.pop(call, None)
+                server.withdrawn.discard(call)
                 self.pool.release(server)
             self.c.retries += 1
             self.note_fault(server, fault)
@@ -317,12 +325,17 @@ class Runner:
             self.track(self.progress.live_metrics(), int(self.progress.elapsed()))
 
     def follow_servers(self) -> None:
-        """generation.concurrency=auto: each server's controller moves its level; the pool applies it."""
+        """generation.concurrency=auto: each server's controller moves its level; the pool applies it. Not once the
+        run is stopping: the requests in flight get their grace period (a lower level would withdraw some)."""
+        if self.stopping.is_set():
+            return
         for server in self.pool.states:
             if server.controller is not None:
                 level = server.controller.tick(server.outstanding)
                 if level is not None:
-                    self.pool.set_limit(server, level)
+                    # unstreamed, the requests left after a withdrawal are the oldest: their answers, long under way,
+                    # would end in the new level's first window and read as its rate
+                    self.pool.set_limit(server, level, withdraw=server.controller.streams)
                     self._level_changed_at = time.monotonic()
 
     def concurrency(self) -> int:
@@ -416,21 +429,6 @@ class Runner:
         print(f"\n{name}: no new requests; in-flight ones get up to {self.settings.grace_s:.0f} s to finish "
               f"({name} again to stop now)", file=sys.stderr)
         self.stopping.set()
-
-
-def _counter(controller, count: list):
-    """on_output for one request, sent now: each chunk arrives at the server's level controller, and is counted;
-    the first tells it how long the first tokens took."""
-    if controller is None:
-        return None
-    sent = time.monotonic()
-
-    def on_output() -> None:
-        count[0] += 1
-        if count[0] == 1:
-            controller.started(time.monotonic() - sent)
-        controller.arrived(1)
-    return on_output
 
 
 def _one_line(task_name: str, exc: BaseException) -> str:

@@ -153,9 +153,9 @@ async def complete(client: AsyncOpenAI, spec: RequestSpec, messages: list[dict],
                    thinking: bool | None = None, stream: bool = True, record_times: bool = False,
                    on_output=None) -> Completion:
     """One chat completion as `spec` describes it (thinking: this request's mode, the spec's unless given).
-    record_times keeps the arrival time of each chunk with output (assess's steady-window rates); on_output() is
-    called as each arrives. When the spec
-    asks for token ids by a method that cannot stream them whole, the request is sent unstreamed."""
+    record_times keeps the arrival time of each chunk with output (assess's steady-window rates); on_output is
+    called as each arrives, the first with first_s (its seconds since the request was sent). When the spec asks
+    for token ids by a method that cannot stream them whole, the request is sent unstreamed."""
     thinking = spec.thinking if thinking is None else thinking
     body = spec.body(messages, tools, thinking)
     method = id_method(spec.token_ids_via)
@@ -218,11 +218,12 @@ def _take_delta(answer: Answer, choice, t0: float) -> None:
     if delta.tool_calls:
         answer.tool_calls.add(delta.tool_calls)
     if piece or delta.content or delta.tool_calls:
-        if answer.ttft is None:
+        first = answer.ttft is None
+        if first:
             answer.ttft = time.monotonic() - t0
         if answer.times is not None:
             answer.times.append(time.monotonic())
         if answer.on_output is not None:
-            answer.on_output()
+            answer.on_output(first_s=answer.ttft if first else None)
     if choice.finish_reason:
         answer.finish_reason = choice.finish_reason

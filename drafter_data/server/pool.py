@@ -1,12 +1,13 @@
 """Several servers behind one queue: each request goes to the healthy server with the most room (fewest outstanding
 requests for its limit); a failing one is set aside for a growing pause; when none has answered anything for
 down_timeout_s, the run stops. A server's `limit` (requests in flight) is None for a fixed run-wide concurrency, or
-the level its controller keeps (generation.concurrency=auto)."""
+the level its controller keeps (generation.concurrency=auto); a lower level can withdraw the youngest requests sent
+at the level before it, to be sent again: past a steep knee, those left to finish could take minutes."""
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from drafter_data.errors import StageError
 from drafter_data.redaction import redact_url
@@ -25,6 +26,9 @@ class ServerState:
     down_until: float = 0.0
     limit: int | None = None
     controller: object = None  # a generation.concurrency.LevelController with concurrency=auto
+    calls: dict = field(default_factory=dict)  # the requests in flight (asyncio tasks) -> when each was sent
+    withdrawn: set = field(default_factory=set)  # ... those cancelled by a lower limit, to be sent again
+    limit_since: float = 0.0  # when the limit was last set
 
     def room(self) -> float:
         return float("inf") if self.limit is None else self.limit - self.outstanding
@@ -66,8 +70,16 @@ class ServerPool:
         s.outstanding -= 1
         self._freed.set()
 
-    def set_limit(self, s: ServerState, limit: int) -> None:
-        s.limit = limit
+    def set_limit(self, s: ServerState, limit: int, withdraw: bool = False) -> None:
+        """A new limit for s; with `withdraw`, a lower one withdraws the youngest of the requests sent since the last
+        change that are over it (the older ones may be nearly done)."""
+        if withdraw and s.limit is not None and limit < s.outstanding:
+            young = sorted((call for call, sent in s.calls.items()
+                            if sent >= s.limit_since and call not in s.withdrawn), key=s.calls.get, reverse=True)
+            for call in young[:max(0, s.outstanding - len(s.withdrawn) - limit)]:
+                if call.cancel():
+                    s.withdrawn.add(call)
+        s.limit, s.limit_since = limit, time.monotonic()
         self._freed.set()
 
     def failed(self, s: ServerState, hard: bool) -> None:
