@@ -91,7 +91,6 @@ class Runner:
         self._flush_due = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._tracking_errors: set[str] = set()
-        self._level_changed_at = 0.0  # (monotonic) an answer that ran across a change of level is not steady
 
     # --- one conversation ------------------------------------------------------------------------------------
 
@@ -229,7 +228,8 @@ class Runner:
         own slot is already released; with auto, only the servers not set aside count, as in `concurrency`)."""
         level = self.concurrency()
         servers = self.pool.up() if self.settings.auto else self.pool.states
-        if level and time.monotonic() - done.latency_s >= self._level_changed_at and \
+        changed_at = max(s.limit_since for s in self.pool.states)  # an answer across a change of level is not steady
+        if level and time.monotonic() - done.latency_s >= changed_at and \
                 sum(s.outstanding for s in servers) + 1 >= level:
             self.c.steady_tokens += done.completion_tokens
             self.c.steady_slot_s += done.latency_s / level
@@ -336,7 +336,6 @@ class Runner:
                     # unstreamed, the requests left after a withdrawal are the oldest: their answers, long under way,
                     # would end in the new level's first window and read as its rate
                     self.pool.set_limit(server, level, withdraw=server.controller.streams)
-                    self._level_changed_at = time.monotonic()
 
     def concurrency(self) -> int:
         """The level in flight now: fixed, or (auto) the sum over the servers that are up."""
