@@ -8,9 +8,9 @@ with `active` the decoding sequences: `bend` gives diminishing returns from the 
 `power` the knee's sharpness (plateau: 0 with slots = knee, requests past it only queue; gentle: 1.2, tok/s falls
 slowly past the knee; steep: 2, as (active / 24) ** 2). Answers are long-tailed (lognormal, 50 to 4,000 tokens),
 each sequence runs at its own speed (off by `noise`), and the whole engine drifts slowly (a random walk of `noise` / 2
-over ~10 s). The knee can move mid-run (`move_at`, `moved_knee`). The client keeps `level` requests in flight, as generate's workers do:
-a lower level withdraws the youngest requests sent at the level before it (their tokens so far are lost; streamed
-only, as the stage does), the older ones finish first.
+over ~10 s). The knee can move mid-run (`move_at`, `moved_knee`). The client keeps `level` requests in flight, as
+generate's workers do: a lower level withdraws the youngest requests sent at the level before it (their tokens so far
+are lost; streamed only, as the stage does), the older ones finish first.
 """
 from __future__ import annotations
 

@@ -345,6 +345,24 @@ def test_stays_within_its_bounds():
     assert min(levels) >= 2 and max(levels) == 20
 
 
+def assessed_at(tmp_path, url, level, tokens_per_s=500.0):
+    """An assess metrics file that names `url` and its best level: auto starts that server there."""
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"best": {"concurrency": level, "output_tokens_per_s": tokens_per_s},
+                                   "server": {"model": "fake-model", "url": url, "kind": "remote"}}))
+    return metrics
+
+
+STEEP_KNEE_4 = {"token_delay_s": 0.002, "knee": 4, "knee_penalty": 2.0, "reasoning_words": 30, "content_words": 50}
+
+
+def auto_from_32_on_a_knee_of_4(url, tmp_path, *extra):
+    """generate's arguments: auto assessed at 32 on a STEEP_KNEE_4 server (each token (32 / 4) ** 2 = 64 delays)."""
+    return gen_args(url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
+                    "generation.concurrency_max=32", "generation.token_ids=off",
+                    f"generate.assessment={assessed_at(tmp_path, url, 32)}", *extra)
+
+
 def test_the_stage_runs_with_auto_and_logs_its_levels(run_stage, fake_server, tmp_path):
     server = fake_server({"token_delay_s": 0.005, "knee": 6})
     prompts = write_prompts(tmp_path / "in", 200)
@@ -381,16 +399,10 @@ def test_a_start_far_past_a_steep_knee_withdraws_its_youngest_requests_and_sends
     """Assessed at 32 on a server whose knee is 4 (each token (32 / 4) ** 2 = 64 delays: ~10 s an answer): the step
     down withdraws the requests over the new level instead of waiting for them; each is sent again and stored once,
     costing no attempt."""
-    config = {"token_delay_s": 0.002, "knee": 4, "knee_penalty": 2.0, "reasoning_words": 30, "content_words": 50}
-    server = fake_server(config)
+    server = fake_server(STEEP_KNEE_4)
     prompts = write_prompts(tmp_path / "in", 80)
-    metrics = tmp_path / "metrics.json"
-    metrics.write_text(json.dumps({"best": {"concurrency": 32, "output_tokens_per_s": 500.0},
-                                   "server": {"model": "fake-model", "url": server.url, "kind": "remote"}}))
-    run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
-                                    "generation.concurrency_max=32", "generation.token_ids=off",
-                                    f"generate.assessment={metrics}"))
-    check_exactly_once(prompts, tmp_path / "out", config)
+    run_stage("generate", *auto_from_32_on_a_knee_of_4(server.url, tmp_path))
+    check_exactly_once(prompts, tmp_path / "out", STEEP_KNEE_4)
     summary = json.loads((tmp_path / "out" / "run.json").read_text())
     levels = [level for _, level, _ in next(iter(summary["concurrency_levels"].values()))]
     assert levels[0] == 32 and min(levels) <= 16, levels
@@ -408,15 +420,9 @@ def test_nothing_is_withdrawn_once_the_run_is_stopping(fake_server, tmp_path, ml
     down that would come seconds later (as in the test above) withdraws none of them."""
     from tests.test_generate_reliability import served_prompts, start, wait_until
 
-    config = {"token_delay_s": 0.002, "knee": 4, "knee_penalty": 2.0, "reasoning_words": 30, "content_words": 50}
-    server = fake_server(config)
+    server = fake_server(STEEP_KNEE_4)
     prompts = write_prompts(tmp_path / "in", 80)
-    metrics = tmp_path / "metrics.json"
-    metrics.write_text(json.dumps({"best": {"concurrency": 32, "output_tokens_per_s": 500.0},
-                                   "server": {"model": "fake-model", "url": server.url, "kind": "remote"}}))
-    proc = start(gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.concurrency=auto",
-                          "generation.concurrency_max=32", "generation.token_ids=off", "generate.grace_period_s=60",
-                          f"generate.assessment={metrics}"), mlflow_uri)
+    proc = start(auto_from_32_on_a_knee_of_4(server.url, tmp_path, "generate.grace_period_s=60"), mlflow_uri)
     wait_until(lambda: server.stats()["inflight"] >= 32, proc)
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(120) == 128 + signal.SIGINT, proc.stderr.read()[-2000:]
@@ -475,9 +481,7 @@ def test_no_usage_warning_when_generate_asks_unstreamed_with_its_token_ids(run_s
 def test_only_the_assessed_server_starts_at_the_assessed_level(run_stage, fake_server, tmp_path):
     assessed, other = fake_server({"token_delay_s": 0.002}), fake_server({"token_delay_s": 0.002})
     write_prompts(tmp_path / "in", 60)
-    metrics = tmp_path / "metrics.json"
-    metrics.write_text(json.dumps({"best": {"concurrency": 12, "output_tokens_per_s": 500.0},
-                                   "server": {"model": "fake-model", "url": assessed.url, "kind": "remote"}}))
+    metrics = assessed_at(tmp_path, assessed.url, 12)
     proc = run_stage("generate", *gen_args(assessed.url, tmp_path / "in", tmp_path / "out",
                                            f"server.base_url=[{assessed.url},{other.url}]",
                                            "generation.concurrency=auto", "generation.concurrency_max=32",
@@ -503,9 +507,7 @@ def test_the_rate_checked_against_the_assessment_is_the_steady_one(run_stage, fa
     delay = 0.004
     server = fake_server({"token_delay_s": delay, "knee": 2, "reasoning_words": 40, "content_words": 40})
     write_prompts(tmp_path / "in", 40)
-    metrics = tmp_path / "metrics.json"
-    metrics.write_text(json.dumps({"best": {"concurrency": 8, "output_tokens_per_s": 1 / delay},
-                                   "server": {"model": "fake-model", "url": server.url, "kind": "remote"}}))
+    metrics = assessed_at(tmp_path, server.url, 8, 1 / delay)
     proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.token_ids=off",
                                            f"generate.assessment={metrics}"))
     summary = json.loads((tmp_path / "out" / "run.json").read_text())
@@ -520,9 +522,7 @@ def test_a_run_with_fewer_conversations_than_the_level_has_no_steady_rate_to_che
     summary says why."""
     server = fake_server({"token_delay_s": 0.002})
     write_prompts(tmp_path / "in", 3)
-    metrics = tmp_path / "metrics.json"
-    metrics.write_text(json.dumps({"best": {"concurrency": 8, "output_tokens_per_s": 100.0},
-                                   "server": {"model": "fake-model", "url": server.url, "kind": "remote"}}))
+    metrics = assessed_at(tmp_path, server.url, 8, 100.0)
     proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generation.token_ids=off",
                                            f"generate.assessment={metrics}"))
     summary = json.loads((tmp_path / "out" / "run.json").read_text())
