@@ -133,14 +133,13 @@ class Runner:
                 break
             spec = server.spec or self.spec
             controller = server.controller  # concurrency=auto measures the chunks of output as they arrive
-            call = asyncio.ensure_future(complete(server.client, spec, sent, tools, thinking=conv.thinking,
-                                                  stream=self.settings.stream,
-                                                  on_output=controller.arrived if controller else None))
-            server.calls[call] = time.monotonic()
+            call = self.pool.send(server, complete(server.client, spec, sent, tools, thinking=conv.thinking,
+                                                   stream=self.settings.stream,
+                                                   on_output=controller.arrived if controller else None))
             try:
                 done = await call
             except asyncio.CancelledError:
-                if call not in server.withdrawn or asyncio.current_task().cancelling():
+                if not self.pool.withdrew(server, call):
                     raise
                 self.c.withdrawn += 1  # the level went down: sent again, no attempt lost
                 continue
@@ -153,9 +152,7 @@ class Runner:
                     controller.completed(done.completion_tokens, done.latency_s, done.ttft_s)
                 return done, spec.token_ids_via if done.completion_token_ids is not None else None
             finally:
-                server.calls.pop(call, None)
-                server.withdrawn.discard(call)
-                self.pool.release(server)
+                self.pool.release(server, call)
             self.c.retries += 1
             self.note_fault(server, fault)
             if fault.kind == "run_wide":

@@ -66,9 +66,24 @@ class ServerPool:
         now = time.monotonic() if now is None else now
         return [s for s in self.states if s.down_until <= now]
 
-    def release(self, s: ServerState) -> None:
+    def release(self, s: ServerState, call: asyncio.Future | None = None) -> None:
+        """A request to s (and its `call`, if it was sent) is over."""
         s.outstanding -= 1
+        if call is not None:
+            s.calls.pop(call, None)
+            s.withdrawn.discard(call)
         self._freed.set()
+
+    def send(self, s: ServerState, request) -> asyncio.Future:
+        """Runs one request to s (a coroutine) as its own task, so that a lower limit can withdraw it."""
+        call = asyncio.ensure_future(request)
+        s.calls[call] = time.monotonic()
+        return call
+
+    @staticmethod
+    def withdrew(s: ServerState, call: asyncio.Future) -> bool:
+        """The cancelled `call` was withdrawn by a lower limit (to be sent again), not stopped with the run."""
+        return call in s.withdrawn and not asyncio.current_task().cancelling()
 
     def set_limit(self, s: ServerState, limit: int, withdraw: bool = False) -> None:
         """A new limit for s; with `withdraw`, a lower one withdraws the youngest of the requests sent since the last
