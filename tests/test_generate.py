@@ -50,12 +50,19 @@ def test_thinking_off_sends_the_switch_and_keeps_no_reasoning(run_stage, fake_se
 def test_faults_are_retried_and_nothing_is_lost_or_repeated(run_stage, fake_server, tmp_path):
     server = fake_server({"fault_rate": 0.3, "seed": 3})
     prompts = write_prompts(tmp_path / "in", 60)
-    run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generate.max_attempts=30"))
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out", "generate.max_attempts=30"))
     check_exactly_once(prompts, tmp_path / "out")
     stats = server.stats()
     assert set(stats["faults"]) == {"429", "500", "503", "drop", "truncate", "garbage"}
     # every injected fault cost a retry (up to 4 of them hit the preflight probe, which retries on its own)
-    assert json.loads((tmp_path / "out" / "run.json").read_text())["retries"] >= sum(stats["faults"].values()) - 4
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert summary["retries"] >= sum(stats["faults"].values()) - 4
+    # ... counted by reason, each reason said once on stderr as it first happens
+    reasons = summary["retry_reasons"]
+    assert sum(reasons.values()) == summary["retries"] and len(reasons) >= 5, reasons
+    assert all(proc.stderr.count(f"retrying: {reason} (said once") == 1 for reason in reasons), proc.stderr[-3000:]
+    assert {code for code in ("429", "500", "503") if any(code in reason for reason in reasons)} == \
+        {"429", "500", "503"}, reasons
     assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
 
 

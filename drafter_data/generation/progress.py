@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ class Counters:
     done: int = 0
     errors: int = 0
     retries: int = 0
+    retry_reasons: Counter = field(default_factory=Counter)  # the passing faults behind them, by reason
     withdrawn: int = 0  # requests withdrawn when auto lowered a server's level (sent again, no attempt lost)
     output_tokens: int = 0
     stopped_by_error: int = 0  # conversations whose later turns were lost with a turn that failed for good
@@ -201,6 +202,7 @@ class Progress:
         steady = self.c.steady_tokens / self.c.steady_slot_s if self.c.steady_slot_s > 0 else None
         return {
             "completions": self.c.done, "errors": self.c.errors, "retries": self.c.retries,
+            "retry_reasons": dict(self.c.retry_reasons.most_common()),
             "withdrawn_requests": self.c.withdrawn,
             "stopped_by_error": self.c.stopped_by_error, "stopped_at_length": self.c.stopped_at_length,
             "stopped_at_tool_call": self.c.stopped_at_tool_call,

@@ -29,6 +29,7 @@ FLUSH_INTERVAL_S = 2.0  # a kill loses at most this much of finished work, plus 
 COMPACT_INTERVAL_S = 600.0  # merge the small shards of a days-long run as it goes
 METRICS_INTERVAL_S = 15.0
 WRITE_ATTEMPTS = 4  # a shard write that fails (disk full) is retried; then the run stops, rows kept in memory
+MAX_RETRY_REASONS = 20  # kinds of passing fault counted apart in run.json (a reason may carry a request id)
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Runner:
                 return done, spec.token_ids_via if done.completion_token_ids is not None else None
             finally:
                 self.pool.release(server, call)
-            self.c.retries += 1
+            self.note_retry(fault)
             self.note_fault(server, fault)
             if fault.kind == "run_wide":
                 await self.pause(min(backoff_s(self.run_wide_streak), self.settings.max_backoff_s))
@@ -170,6 +171,19 @@ class Runner:
                 return None, None
             await self.pause(wait)
         return None, None
+
+    def note_retry(self, fault: Fault) -> None:
+        """Counted by reason for run.json (`retry_reasons`, at most MAX_RETRY_REASONS kinds, the rest together);
+        the first of each kind is said at once, so a bar showing retries has its cause on the screen."""
+        self.c.retries += 1
+        reason = fault.reason[:300]
+        if reason not in self.c.retry_reasons:
+            if len(self.c.retry_reasons) >= MAX_RETRY_REASONS:
+                reason = "(other reasons)"
+            else:
+                print(f"\nretrying: {reason} (said once per kind; run.json counts them in retry_reasons)",
+                      file=sys.stderr)
+        self.c.retry_reasons[reason] += 1
 
     def note_fault(self, server: ServerState, fault: Fault) -> None:
         if fault.kind in ("unreachable", "dropped"):
