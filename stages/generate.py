@@ -193,7 +193,8 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
     levels = {redact_url(sv.url): [[round(t - runner.progress.t0, 1), level, round(rate, 1)]
                                     for t, level, rate in sv.controller.history]
               for sv in runner.pool.states if sv.controller is not None}
-    summary = {**metrics, "saved": runner.saved, "elapsed_s": runner.progress.elapsed(), "prompts": len(inputs.keys) - inputs.repeated,
+    summary = {**metrics, "retry_reasons": dict(runner.c.retry_reasons.most_common()), "saved": runner.saved,
+               "elapsed_s": runner.progress.elapsed(), "prompts": len(inputs.keys) - inputs.repeated,
                **({"concurrency_levels": levels} if levels else {}),
                "client_bound": runner.progress.client.ever_bound,
                **({"client_limit": CLIENT_WAY_PAST} if runner.progress.client.ever_bound else {}),

@@ -202,7 +202,6 @@ class Progress:
         steady = self.c.steady_tokens / self.c.steady_slot_s if self.c.steady_slot_s > 0 else None
         return {
             "completions": self.c.done, "errors": self.c.errors, "retries": self.c.retries,
-            "retry_reasons": dict(self.c.retry_reasons.most_common()),
             "withdrawn_requests": self.c.withdrawn,
             "stopped_by_error": self.c.stopped_by_error, "stopped_at_length": self.c.stopped_at_length,
             "stopped_at_tool_call": self.c.stopped_at_tool_call,
