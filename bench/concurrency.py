@@ -13,11 +13,15 @@ produced from STEADY_FROM_S to STEADY_TO_S after the stage started, the same win
 decode gains bending early, answers of 200-400 tokens) `--repeats` times (default 2): fixed 8, 24 and auto from
 nothing, each over the first 45 s from its first token (goal: auto >= 0.9x the fixed 24).
 
+`--llama` runs instead the stage against a real engine: the embedded llama-server (server=local, the small GGUF,
+64 slots, streamed), at fixed levels 4 to 64 and with auto from nothing, `--prompts` each (default 200), `--repeats`
+times (default 1); the figures are run.json's whole-run and steady (every slot busy) output tok/s.
+
 `--repeats N` runs instead, N times over: the best fixed level (the knee), auto from the misleading assessment and
 auto from nothing, each pair side by side, and prints the spread of each ratio (these machines are noisy). With more
 `--prompts` the climb weighs less in the whole run, as in a real run of days.
 
-    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 800] [--moved-only | --repeats 3 | --steep]
+    .venv/bin/python bench/concurrency.py [--knee 12] [--prompts 800] [--moved-only | --repeats 3 | --steep | --llama]
 """
 from __future__ import annotations
 
@@ -117,7 +121,10 @@ def main() -> None:
     parser.add_argument("--slower", type=float, default=1.0,
                         help="--steep with every delay this many times longer (the same curve's shape, fewer tok/s: "
                              "on a busy machine the fake server at 6,000 tok/s is CPU-bound and its knee is gone)")
+    parser.add_argument("--llama", action="store_true", help="a real engine: the embedded llama-server")
     args = parser.parse_args()
+    if args.llama:
+        return llama(args.repeats or 1, args.prompts if args.prompts != 800 else 200)
     if args.steep:
         return steep(args.repeats or 2, args.slower)
     knee, n = args.knee, args.prompts
@@ -169,6 +176,30 @@ def steep(runs: int, slower: float = 1.0) -> None:
                       f"the fixed 24; auto's levels: {' '.join(str(lv) for _, lv, _ in levels)}", flush=True)
     finally:
         server.kill()
+
+
+def llama(runs: int, prompts: int) -> None:
+    """Fixed levels and auto from nothing against the embedded llama-server (each run starts its own)."""
+    levels = (4, 8, 16, 32, 64)
+    with tempfile.TemporaryDirectory(prefix="bench-llama-") as tmp:
+        tmp = Path(tmp)
+        for i in range(runs):
+            rates = {}
+            for level in (*levels, "auto"):
+                name = f"l{i}-{level}"
+                write_prompts(tmp / f"in-{name}", prompts, name)
+                run_measured([sys.executable, "-m", "stages.generate", "server=local", "server.local.slots=64",
+                              f"generate.input={tmp / f'in-{name}'}", f"generate.output={tmp / f'out-{name}'}",
+                              "generation.token_ids=off", f"generation.concurrency={level}",
+                              "generate.assessment=null"],
+                             env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"})
+                summary = json.loads((tmp / f"out-{name}" / "run.json").read_text())
+                rates[level] = (summary["output_tokens_per_s"], summary["steady_output_tokens_per_s"] or 0.0)
+                print(f"  {level!s:>4}: {rates[level][0]:6.1f} tok/s whole, {rates[level][1]:6.1f} steady", flush=True)
+            fixed = {lv: rates[lv] for lv in levels}
+            report(f"llama-server, run {i + 1}, auto from nothing", rates["auto"], fixed)
+            auto_levels = next(iter(summary["concurrency_levels"].values()))
+            print("  auto's levels: " + " ".join(str(lv) for _, lv, _ in auto_levels), flush=True)
 
 
 def repeats(root: str, tmp: Path, knee: int, n: int, runs: int) -> None:
