@@ -81,10 +81,13 @@ def test_permanent_failures_go_to_the_errors_file(run_stage, fake_server, tmp_pa
     short = write_prompts(tmp_path / "in", 6, words=3)
     write_prompts(tmp_path / "in2", 2, words=12, start=100)
     os.replace(tmp_path / "in2" / "prompts-00000.parquet", tmp_path / "in" / "prompts-00001.parquet")
-    run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out"))
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out"))
     check_exactly_once(short, tmp_path / "out")
     errors = [json.loads(line) for line in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
     assert len(errors) == 2 and all("HTTP 400" in e["reason"] and e["attempts"] == 1 for e in errors)
+    # not sent again, so not said or counted as retried
+    assert "retrying:" not in proc.stderr and \
+        json.loads((tmp_path / "out" / "run.json").read_text())["retry_reasons"] == {}
 
 
 def _start_generate(args, mlflow_uri):

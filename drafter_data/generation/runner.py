@@ -19,6 +19,7 @@ from drafter_data.errors import StageError
 from drafter_data.generation.conversation import Conversation, split_for_row
 from drafter_data.generation.keys import turn_key
 from drafter_data.generation.progress import Assessment, Counters, Progress
+from drafter_data.redaction import redact_url
 from drafter_data.server.client import Completion, complete
 from drafter_data.server.faults import Fault, RetryBudget, backoff_s, classify
 from drafter_data.server.pool import ServerPool, ServerState, sleep_unless
@@ -154,9 +155,11 @@ class Runner:
                 return done, spec.token_ids_via if done.completion_token_ids is not None else None
             finally:
                 self.pool.release(server, call)
-            self.note_retry(fault)
+            self.c.retries += 1
             self.note_fault(server, fault)
             if fault.kind == "run_wide":
+                if self.fatal is None:
+                    self.note_retry(fault)
                 await self.pause(min(backoff_s(self.run_wide_streak), self.settings.max_backoff_s))
                 continue
             wait = budget.next_wait(fault)
@@ -169,14 +172,15 @@ class Runner:
                     self.fail(f"{self.failed_streak} requests in a row failed for good and none was answered in "
                               f"between, so nothing gets through (generate.max_failed_in_a_row); the last: {reason}")
                 return None, None
+            self.note_retry(fault)
             await self.pause(wait)
         return None, None
 
     def note_retry(self, fault: Fault) -> None:
-        """Counted by reason for run.json (`retry_reasons`, at most MAX_RETRY_REASONS kinds, the rest together);
-        the first of each kind is said at once, so a bar showing retries has its cause on the screen."""
-        self.c.retries += 1
-        reason = fault.reason[:300]
+        """A fault whose request is sent again, counted by reason for run.json (`retry_reasons`, at most
+        MAX_RETRY_REASONS kinds, the rest together); the first of each kind is said at once, so a bar showing
+        retries has its cause on the screen. (`retries` also counts the faults that ended in errors.jsonl.)"""
+        reason = redact_url(fault.reason)[:300]
         if reason not in self.c.retry_reasons:
             if len(self.c.retry_reasons) >= MAX_RETRY_REASONS:
                 reason = "(other reasons)"
