@@ -114,7 +114,7 @@ def assessment(tmp: Path, url: str, level: int, rate: float) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--knee", type=int, default=12)
-    parser.add_argument("--prompts", type=int, default=800)
+    parser.add_argument("--prompts", type=int, default=None, help="prompts a run (800; --llama 200)")
     parser.add_argument("--moved-only", action="store_true", help="only the moved knee (about 6 minutes)")
     parser.add_argument("--repeats", type=int, default=0, help="auto against the knee's fixed level, N times")
     parser.add_argument("--steep", action="store_true", help="the issue-30 steep server: fixed 8, 24, auto over 45 s")
@@ -124,10 +124,10 @@ def main() -> None:
     parser.add_argument("--llama", action="store_true", help="a real engine: the embedded llama-server")
     args = parser.parse_args()
     if args.llama:
-        return llama(args.repeats or 1, args.prompts if args.prompts != 800 else 200)
+        return llama(args.repeats or 1, args.prompts or 200)
     if args.steep:
         return steep(args.repeats or 2, args.slower)
-    knee, n = args.knee, args.prompts
+    knee, n = args.knee, args.prompts or 800
     server, root = start_server({**SERVER, "knee": knee})
     try:
         with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp:
