@@ -121,7 +121,7 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
                                        modes=modes.used())
             s.spec, s.engine = spec.with_token_ids(features.token_ids), features.engine
             print(f"{redact_url(s.url)}: {features.engine}, token ids: "
-                  f"{features.token_ids or 'not asked for' if spec.token_ids != 'off' else 'off'}", file=sys.stderr)
+                  f"{features.token_ids or 'none offered' if spec.token_ids != 'off' else 'off'}", file=sys.stderr)
     except BaseException:
         for s in states:
             await s.client.close()

@@ -59,6 +59,8 @@ Config keys (defaults in DEFAULTS; every addition is off by default, so the plai
                                llama-server's streamed logprobs leave out EOS (usage still counts it)
   engine "none"                which engine-only endpoint answers: "vllm" GET /version, "sglang" GET /server_info,
                                "llama" GET /props (all others 404)
+  engine_drops 0               the first N GETs of the engine's own endpoint are closed without an answer (a connection lost
+                               to a keep-alive race, as llama-server's now and then are)
   vllm_wire False               True: the shapes a real vLLM 0.32 sends (checked against one by tests/test_vllm.py):
                                the first chunk's content is "" (not null); finish_reason "length" comes on the last
                                token's chunk, a stop by EOS in a chunk of its own with content "", the EOS id and
@@ -167,6 +169,7 @@ DEFAULTS = {
     "token_ids": "none",  # none | vllm | sglext | sglang | llama
     "drop_end_ids": False,
     "engine": "none",  # none | vllm | sglang | llama: whose own endpoint answers (/version, /server_info, /props)
+    "engine_drops": 0,
     "tokenizer_dir": str(DEFAULT_TOKENIZER_DIR),
     "chat_template": None,
     "split_token_every": 0,
@@ -783,7 +786,16 @@ class FakeServer:
 
     # what only one engine has: how clients tell them apart (`engine`), and llama-server's template/tokenizer
 
+    def _engine_dropped(self, request, engine: str) -> bool:
+        if self.cfg["engine"] != engine or self.cfg["engine_drops"] <= 0:
+            return False
+        self.cfg["engine_drops"] -= 1
+        request.transport.close()
+        return True
+
     async def props(self, request):
+        if self._engine_dropped(request, "llama"):
+            return web.Response()
         if self.cfg["engine"] != "llama":
             return web.json_response({"error": {"message": "File Not Found", "code": 404}}, status=404)
         return web.json_response({
@@ -791,11 +803,15 @@ class FakeServer:
             "model_path": "/fake/model.gguf", "chat_template": "{{ fake }}", "build_info": "fake"})
 
     async def version(self, request):
+        if self._engine_dropped(request, "vllm"):
+            return web.Response()
         if self.cfg["engine"] != "vllm":
             return web.json_response({"detail": "Not Found"}, status=404)
         return web.json_response({"version": "0.32.0"})
 
     async def server_info(self, request):
+        if self._engine_dropped(request, "sglang"):
+            return web.Response()
         if self.cfg["engine"] != "sglang":
             return web.json_response({"detail": "Not Found"}, status=404)
         return web.json_response({"version": "0.5.23", "model_path": "/fake", "tp_size": 1})

@@ -23,6 +23,7 @@ def test_generate_then_tokenize_against_llama_server(run_stage, llama_server, tm
     assert "without its token counts" not in proc.stderr  # llama-server streams its usage when asked
     rows = read_rows(tmp_path / "c", "completions-")
     assert sorted(r["prompt_id"] for r in rows) == sorted(p["prompt_id"] for p in prompts)
+    assert [r["token_ids_via"] for r in rows] == ["llama_tokens"] * 8, proc.stderr[-3000:]
     for r in rows:
         # the prompt opened <think> and the server's template split the reasoning out (reasoning_content)
         assert r["reasoning"] and r["finish_reason"] in ("stop", "length") and 0 < r["completion_tokens"] <= 24
@@ -134,10 +135,11 @@ def test_whole_conversations_are_regenerated_turn_by_turn_on_llama_server(run_st
     multi = prompts.filter(pa.compute.greater(prompts.column("turns"), 1))
     (tmp_path / "multi").mkdir()
     pq.write_table(multi, tmp_path / "multi" / "prompts-00000.parquet")
-    run_stage("generate", *real_args(llama_server, f"generate.input={tmp_path / 'multi'}",
-                                     f"generate.output={tmp_path / 'c'}", "generation.max_tokens=96",
-                                     "generation.logit_bias={106:16}", "generation.concurrency=8"))
+    proc = run_stage("generate", *real_args(llama_server, f"generate.input={tmp_path / 'multi'}",
+                                            f"generate.output={tmp_path / 'c'}", "generation.max_tokens=96",
+                                            "generation.logit_bias={106:16}", "generation.concurrency=8"))
     rows = read_rows(tmp_path / "c", "completions-")
+    assert all(r["token_ids_via"] == "llama_tokens" for r in rows), proc.stderr[-3000:]
     by_turn = {(r["prompt_id"], r["turn"]): r for r in rows}
     assert len(by_turn) == len(rows)  # each (prompt_id, turn) once
     summary = json.loads((tmp_path / "c" / "run.json").read_text())

@@ -117,6 +117,15 @@ def test_preflight_finds_each_engines_ids_and_they_are_exact(fake_server, config
         assert len(done.prompt_token_ids) == done.prompt_tokens
 
 
+@pytest.mark.parametrize("config,engine,method", [c for c in ENGINES if c[1] != "unknown"])
+def test_a_connection_lost_while_asking_which_engine_is_retried(fake_server, config, engine, method):
+    """llama-server closes a kept-alive connection now and then as it is reused: the engine's endpoint lost once
+    must not make it "unknown", whose token-id methods it does not have (its run went on without ids)."""
+    config = dict(config)
+    server = fake_server(ids_config(config.pop("token_ids"), engine_drops=1, **config))
+    assert run(server, lambda c: preflight(c, server.url, spec("on"), True)) == ServerFeatures(engine, method[0])
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_ids_of_a_split_prompt_are_the_servers_not_the_canonical_ones(fake_server, stream):
     config = ids_config("vllm", split_token_every=2)

@@ -1,6 +1,8 @@
 """Which engine serves a URL, from the endpoints only that engine has: llama-server's GET /props, SGLang's
-GET /server_info (older: /get_server_info), vLLM's GET /version. A few cheap GETs with a short timeout; anything
-unexpected (a proxy that forwards only /v1, an auth wall, another engine) is "unknown", never an error."""
+GET /server_info (older: /get_server_info), vLLM's GET /version. A few cheap GETs with a short timeout, each retried
+on a lost connection or a 5xx (llama-server closes a kept-alive connection now and then as it is reused: taken for
+"unknown", its run went on without token ids); anything else unexpected (a proxy that forwards only /v1, an auth
+wall, another engine) is "unknown", never an error."""
 from __future__ import annotations
 
 import openai
@@ -9,10 +11,11 @@ from openai import AsyncOpenAI
 from drafter_data.server.endpoints import api_root
 
 PROBE_TIMEOUT_S = 5.0
+PROBE_RETRIES = 3
 
 
 async def detect_engine(client: AsyncOpenAI) -> str:
-    quick = client.with_options(timeout=PROBE_TIMEOUT_S, max_retries=0)
+    quick = client.with_options(timeout=PROBE_TIMEOUT_S, max_retries=PROBE_RETRIES)
     root = api_root(str(client.base_url))
     props = await _get_json(quick, f"{root}/props")
     if "default_generation_settings" in props or "build_info" in props:
