@@ -126,6 +126,13 @@ def test_a_connection_lost_while_asking_which_engine_is_retried(fake_server, con
     assert run(server, lambda c: preflight(c, server.url, spec("on"), True)) == ServerFeatures(engine, method[0])
 
 
+def test_an_engine_endpoint_that_keeps_failing_is_given_up_after_three_tries(fake_server):
+    """Sent again at once, twice at most: a gateway that holds or drops these paths costs seconds, not minutes."""
+    for drops, engine in ((2, "llama-server"), (3, "unknown")):
+        server = fake_server(ids_config("llama", engine="llama", engine_drops=drops))
+        assert run(server, lambda c: preflight(c, server.url, spec("auto"), True)).engine == engine
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_ids_of_a_split_prompt_are_the_servers_not_the_canonical_ones(fake_server, stream):
     config = ids_config("vllm", split_token_every=2)

@@ -1,8 +1,9 @@
 """Which engine serves a URL, from the endpoints only that engine has: llama-server's GET /props, SGLang's
-GET /server_info (older: /get_server_info), vLLM's GET /version. A few cheap GETs with a short timeout, each retried
-on a lost connection or a 5xx (llama-server closes a kept-alive connection now and then as it is reused: taken for
-"unknown", its run went on without token ids); anything else unexpected (a proxy that forwards only /v1, an auth
-wall, another engine) is "unknown", never an error."""
+GET /server_info (older: /get_server_info), vLLM's GET /version. A few cheap GETs with a short timeout, each sent
+again (at once, twice at most) when its connection was lost without an answer: llama-server closes a kept-alive
+connection now and then as it is reused, and taken for "unknown" its run went on without token ids. Anything else
+unexpected (a timeout, a 5xx, a proxy that forwards only /v1, an auth wall, another engine) is "unknown" at once,
+never an error, so a gateway that holds or rate-limits these paths costs seconds, not minutes."""
 from __future__ import annotations
 
 import openai
@@ -11,11 +12,11 @@ from openai import AsyncOpenAI
 from drafter_data.server.endpoints import api_root
 
 PROBE_TIMEOUT_S = 5.0
-PROBE_RETRIES = 3
+LOST_CONNECTION_RETRIES = 2
 
 
 async def detect_engine(client: AsyncOpenAI) -> str:
-    quick = client.with_options(timeout=PROBE_TIMEOUT_S, max_retries=PROBE_RETRIES)
+    quick = client.with_options(timeout=PROBE_TIMEOUT_S, max_retries=0)
     root = api_root(str(client.base_url))
     props = await _get_json(quick, f"{root}/props")
     if "default_generation_settings" in props or "build_info" in props:
@@ -31,8 +32,16 @@ async def detect_engine(client: AsyncOpenAI) -> str:
 
 
 async def _get_json(client: AsyncOpenAI, url: str) -> dict:
-    try:
-        found = await client.get(url, cast_to=object)
-    except (openai.APIError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
+    for attempt in range(LOST_CONNECTION_RETRIES + 1):
+        try:
+            found = await client.get(url, cast_to=object)
+        except openai.APITimeoutError:
+            return {}
+        except openai.APIConnectionError:
+            if attempt == LOST_CONNECTION_RETRIES:
+                return {}
+            continue
+        except (openai.APIError, ValueError):
+            return {}
+        return found if isinstance(found, dict) else {}
+    return {}
