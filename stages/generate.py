@@ -119,8 +119,9 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
         for s in states:
             features = await preflight(s.client, s.url, probe, settings.stream, settings.max_backoff_s,
                                        modes=modes.used())
-            s.spec, s.engine = spec.with_token_ids(features.token_ids), features.engine
-            print(f"{redact_url(s.url)}: {features.engine}, token ids: "
+            s.spec, s.engine, s.slots = spec.with_token_ids(features.token_ids), features.engine, features.slots
+            slots = f", {features.slots} slots" if features.slots else ""
+            print(f"{redact_url(s.url)}: {features.engine}{slots}, token ids: "
                   f"{features.token_ids or 'none offered' if spec.token_ids != 'off' else 'off'}", file=sys.stderr)
     except BaseException:
         for s in states:
@@ -131,14 +132,17 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
 
 def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assessment, local: bool) -> None:
     """concurrency=auto: a level controller per server; the server assess measured starts at its best level, any
-    other climbs from the bottom."""
+    other climbs from the bottom. None climbs past the requests its engine says it runs at once (its slots): more
+    only wait in its queue, and a search among levels that tie there follows noise."""
     for server in pool.states:
         start = assessed.concurrency if assessed.measured(redact_url(server.url), local) else None
-        server.controller = LevelController.starting_at(start, settings.concurrency_min, settings.concurrency)
+        high = min(settings.concurrency, server.slots or settings.concurrency)
+        server.controller = LevelController.starting_at(start, min(settings.concurrency_min, high), high)
         pool.set_limit(server, server.controller.level)
         how = "the assessed best level" if start else "not assessed: climbing from there"
+        why = f" (the server's {high} slots)" if high < settings.concurrency else ""
         print(f"concurrency: auto, {redact_url(server.url)} starts at {server.controller.level} ({how}), within "
-              f"[{settings.concurrency_min}, {settings.concurrency}]", file=sys.stderr)
+              f"[{settings.concurrency_min}, {high}]{why}", file=sys.stderr)
 
 
 def apply(store: CompletionStore, plan: ResumePlan, wanted0: KeySet, require_ids: bool, keep_reasoning: bool

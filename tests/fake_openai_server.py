@@ -799,7 +799,7 @@ class FakeServer:
         if self.cfg["engine"] != "llama":
             return web.json_response({"error": {"message": "File Not Found", "code": 404}}, status=404)
         return web.json_response({
-            "default_generation_settings": {"n_ctx": 4096}, "total_slots": 4, "model_alias": self.cfg["models"][0],
+            "default_generation_settings": {"n_ctx": 4096}, "total_slots": self.cfg["slots"] or 4, "model_alias": self.cfg["models"][0],
             "model_path": "/fake/model.gguf", "chat_template": "{{ fake }}", "build_info": "fake"})
 
     async def version(self, request):

@@ -478,6 +478,19 @@ def test_no_usage_warning_when_generate_asks_unstreamed_with_its_token_ids(run_s
     assert all(r["completion_tokens"] > 0 and r["completion_token_ids"] for r in rows)
 
 
+def test_auto_climbs_no_higher_than_the_slots_the_engine_says_it_has(run_stage, fake_server, tmp_path):
+    """llama-server's /props says how many requests it runs at once (total_slots): more only wait in its queue, and
+    levels that tie there are noise for the search."""
+    server = fake_server({"engine": "llama", "slots": 3, "token_delay_s": 0.002})
+    write_prompts(tmp_path / "in", 40)
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out",
+                                           "generation.concurrency=auto", "generation.concurrency_max=32"))
+    assert "llama-server, 3 slots" in proc.stderr
+    assert f"{server.url} starts at 3 (not assessed: climbing from there), within [1, 3] (the server's 3 slots)" \
+        in proc.stderr
+    assert server.stats()["inflight_peak"] == 3 and len(read_rows(tmp_path / "out", "completions-")) == 40
+
+
 def test_only_the_assessed_server_starts_at_the_assessed_level(run_stage, fake_server, tmp_path):
     assessed, other = fake_server({"token_delay_s": 0.002}), fake_server({"token_delay_s": 0.002})
     write_prompts(tmp_path / "in", 60)

@@ -21,6 +21,7 @@ class ServerState:
     client: object
     spec: object = None  # the RequestSpec for this server (how it is asked for token ids), from preflight
     engine: str = "unknown"
+    slots: int | None = None  # the requests the engine runs at once, where it says (preflight)
     outstanding: int = 0
     failures: int = 0
     down_until: float = 0.0

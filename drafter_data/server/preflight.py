@@ -31,6 +31,7 @@ class ServerFeatures:
 
     engine: str
     token_ids: str | None
+    slots: int | None = None  # the requests the engine runs at once, where it says (engine.Engine.slots)
 
 
 async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, stream: bool,
@@ -53,7 +54,7 @@ async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, strea
     for thinking in (spec.thinking,) if modes is None else modes:
         done = await _probe_mode(client, url, spec.with_thinking(thinking), stream, max_backoff_s)
     engine = await detect_engine(client)
-    via = await _token_id_method(client, url, spec, stream, engine, max_backoff_s)
+    via = await _token_id_method(client, url, spec, stream, engine.name, max_backoff_s)
     # generate's requests are sent as this probe was unless its token ids need them unstreamed (with their usage)
     sent_alike = not stream or via is None or METHODS[via].streams
     if sent_alike and (done.reasoning or done.content) and not done.completion_tokens:
@@ -61,7 +62,7 @@ async def preflight(client: AsyncOpenAI, base_url: str, spec: RequestSpec, strea
         print(f"warning: {url} answered without its token counts (no usage{how}): generate will store "
               f"completion_tokens as 0 and report 0 output tok/s (concurrency=auto then follows requests/s)",
               file=sys.stderr)
-    return ServerFeatures(engine, via)
+    return ServerFeatures(engine.name, via, engine.slots)
 
 
 WRONG_MODEL_PROBES = 3
