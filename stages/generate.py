@@ -120,7 +120,7 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
             features = await preflight(s.client, s.url, probe, settings.stream, settings.max_backoff_s,
                                        modes=modes.used())
             s.spec, s.engine, s.slots = spec.with_token_ids(features.token_ids), features.engine, features.slots
-            slots = f", {features.slots} slots" if features.slots else ""
+            slots = f", {features.slots} slot{'s' * (features.slots > 1)}" if features.slots else ""
             print(f"{redact_url(s.url)}: {features.engine}{slots}, token ids: "
                   f"{features.token_ids or 'none offered' if spec.token_ids != 'off' else 'off'}", file=sys.stderr)
     except BaseException:
@@ -137,12 +137,17 @@ def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assess
     for server in pool.states:
         start = assessed.concurrency if assessed.measured(redact_url(server.url), local) else None
         high = min(settings.concurrency, server.slots or settings.concurrency)
-        server.controller = LevelController.starting_at(start, min(settings.concurrency_min, high), high)
+        low = min(settings.concurrency_min, high)
+        server.controller = LevelController.starting_at(start, low, high)
         pool.set_limit(server, server.controller.level)
-        how = "the assessed best level" if start else "not assessed: climbing from there"
-        why = f" (the server's {high} slots)" if high < settings.concurrency else ""
+        how = "not assessed: climbing from there"
+        if start:
+            how = "the assessed best level" if start == server.controller.level else f"the assessed best level {start}"
+        slots = f"the server's {high} slot{'s' * (high > 1)}"
+        why = f" ({slots}{', concurrency_min lowered to them' if low < settings.concurrency_min else ''})" \
+            if high < settings.concurrency else ""
         print(f"concurrency: auto, {redact_url(server.url)} starts at {server.controller.level} ({how}), within "
-              f"[{settings.concurrency_min}, {high}]{why}", file=sys.stderr)
+              f"[{low}, {high}]{why}", file=sys.stderr)
 
 
 def apply(store: CompletionStore, plan: ResumePlan, wanted0: KeySet, require_ids: bool, keep_reasoning: bool

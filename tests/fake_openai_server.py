@@ -59,6 +59,9 @@ Config keys (defaults in DEFAULTS; every addition is off by default, so the plai
                                llama-server's streamed logprobs leave out EOS (usage still counts it)
   engine "none"                which engine-only endpoint answers: "vllm" GET /version, "sglang" GET /server_info,
                                "llama" GET /props (all others 404)
+                               /props says total_slots = slots, or 4 when unlimited (llama-server's own default
+                               -np); /server_info max_running_requests = slots (unset when unlimited) and dp_size
+  dp_size 1                    SGLang's data-parallel schedulers, said in /server_info
   engine_drops 0               the first N GETs of the engine's own endpoint are closed without an answer (a connection lost
                                to a keep-alive race, as llama-server's now and then are)
   vllm_wire False               True: the shapes a real vLLM 0.32 sends (checked against one by tests/test_vllm.py):
@@ -170,6 +173,7 @@ DEFAULTS = {
     "drop_end_ids": False,
     "engine": "none",  # none | vllm | sglang | llama: whose own endpoint answers (/version, /server_info, /props)
     "engine_drops": 0,
+    "dp_size": 1,
     "tokenizer_dir": str(DEFAULT_TOKENIZER_DIR),
     "chat_template": None,
     "split_token_every": 0,
@@ -814,7 +818,8 @@ class FakeServer:
             return web.Response()
         if self.cfg["engine"] != "sglang":
             return web.json_response({"detail": "Not Found"}, status=404)
-        return web.json_response({"version": "0.5.23", "model_path": "/fake", "tp_size": 1})
+        return web.json_response({"version": "0.5.23", "model_path": "/fake", "tp_size": 1,
+                                  "dp_size": self.cfg["dp_size"], "max_running_requests": self.cfg["slots"] or None})
 
     async def apply_template(self, request):
         body = await request.json()

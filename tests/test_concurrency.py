@@ -478,17 +478,38 @@ def test_no_usage_warning_when_generate_asks_unstreamed_with_its_token_ids(run_s
     assert all(r["completion_tokens"] > 0 and r["completion_token_ids"] for r in rows)
 
 
-def test_auto_climbs_no_higher_than_the_slots_the_engine_says_it_has(run_stage, fake_server, tmp_path):
-    """llama-server's /props says how many requests it runs at once (total_slots): more only wait in its queue, and
-    levels that tie there are noise for the search."""
-    server = fake_server({"engine": "llama", "slots": 3, "token_delay_s": 0.002})
+@pytest.mark.parametrize("engine,name", [("llama", "llama-server"), ("sglang", "sglang")])
+def test_auto_climbs_no_higher_than_the_slots_the_engine_says_it_has(run_stage, fake_server, tmp_path, engine, name):
+    """llama-server's /props says how many requests it runs at once (total_slots), SGLang's /server_info its
+    max_running_requests: more only wait in its queue, and levels that tie there are noise for the search."""
+    server = fake_server({"engine": engine, "slots": 3, "token_delay_s": 0.002})
     write_prompts(tmp_path / "in", 40)
     proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out",
-                                           "generation.concurrency=auto", "generation.concurrency_max=32"))
-    assert "llama-server, 3 slots" in proc.stderr
-    assert f"{server.url} starts at 3 (not assessed: climbing from there), within [1, 3] (the server's 3 slots)" \
-        in proc.stderr
+                                           "generation.concurrency=auto", "generation.concurrency_max=32",
+                                           "generation.concurrency_min=5"))
+    assert f"{name}, 3 slots" in proc.stderr
+    assert f"{server.url} starts at 3 (not assessed: climbing from there), within [3, 3] (the server's 3 slots, " \
+           f"concurrency_min lowered to them)" in proc.stderr
     assert server.stats()["inflight_peak"] == 3 and len(read_rows(tmp_path / "out", "completions-")) == 40
+
+
+def test_an_assessed_level_above_the_slots_starts_at_the_slots_and_says_so(run_stage, fake_server, tmp_path):
+    server = fake_server({"engine": "llama", "slots": 3, "token_delay_s": 0.002})
+    write_prompts(tmp_path / "in", 12)
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out",
+                                           "generation.concurrency=auto", "generation.concurrency_max=32",
+                                           f"generate.assessment={assessed_at(tmp_path, server.url, 12)}"))
+    assert f"{server.url} starts at 3 (the assessed best level 12), within [1, 3] (the server's 3 slots)" \
+        in proc.stderr
+
+
+def test_sglang_with_several_schedulers_is_not_capped_at_one_schedulers_requests(run_stage, fake_server, tmp_path):
+    """max_running_requests is per scheduler: with dp_size 2 the server runs more than it says."""
+    server = fake_server({"engine": "sglang", "slots": 3, "dp_size": 2})
+    write_prompts(tmp_path / "in", 4)
+    proc = run_stage("generate", *gen_args(server.url, tmp_path / "in", tmp_path / "out",
+                                           "generation.concurrency=auto", "generation.concurrency_max=32"))
+    assert "sglang, token ids" in proc.stderr and "within [1, 32]\n" in proc.stderr
 
 
 def test_only_the_assessed_server_starts_at_the_assessed_level(run_stage, fake_server, tmp_path):

@@ -5,7 +5,7 @@ connection now and then as it is reused, and taken for "unknown" its run went on
 unexpected (a timeout, a 5xx, a proxy that forwards only /v1, an auth wall, another engine) is "unknown" at once,
 never an error, so a gateway that holds or rate-limits these paths costs seconds, not minutes. Where the engine says
 how many requests it runs at once (llama-server's /props total_slots, SGLang's max_running_requests when it was
-set), that is its `slots`: concurrency=auto climbs no higher, as more only wait in the server's queue."""
+set and it runs one scheduler), that is its `slots`: concurrency=auto climbs no higher, as more only wait in the server's queue."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,7 +34,10 @@ async def detect_engine(client: AsyncOpenAI) -> Engine:
     for path in ("/server_info", "/get_server_info"):
         info = await _get_json(quick, root + path)
         if "version" in info and any(k in info for k in ("tp_size", "model_path", "internal_states")):
-            return Engine("sglang", _count(info.get("max_running_requests")))
+            # max_running_requests is per scheduler; with data parallelism there are dp_size of them (or, with DP
+            # attention, it is divided among them): what the whole server runs is not said plainly, so not used
+            single = info.get("dp_size", 1) in (1, None)
+            return Engine("sglang", _count(info.get("max_running_requests")) if single else None)
     version = await _get_json(quick, f"{root}/version")
     if isinstance(version.get("version"), str):
         return Engine("vllm")
