@@ -120,7 +120,7 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
             features = await preflight(s.client, s.url, probe, settings.stream, settings.max_backoff_s,
                                        modes=modes.used())
             s.spec, s.engine, s.slots = spec.with_token_ids(features.token_ids), features.engine, features.slots
-            slots = f", {features.slots} slot{'s' * (features.slots > 1)}" if features.slots else ""
+            slots = f", {slot_count(features.slots)}" if features.slots else ""
             print(f"{redact_url(s.url)}: {features.engine}{slots}, token ids: "
                   f"{features.token_ids or 'none offered' if spec.token_ids != 'off' else 'off'}", file=sys.stderr)
     except BaseException:
@@ -128,6 +128,10 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
             await s.client.close()
         raise
     return ServerPool(states, float(cfg.generate.server_down_timeout_s))
+
+
+def slot_count(n: int) -> str:
+    return f"{n} slot{'s' * (n > 1)}"
 
 
 def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assessment, local: bool) -> None:
@@ -142,10 +146,12 @@ def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assess
         pool.set_limit(server, server.controller.level)
         how = "not assessed: climbing from there"
         if start:
-            how = "the assessed best level" if start == server.controller.level else f"the assessed best level {start}"
-        slots = f"the server's {high} slot{'s' * (high > 1)}"
-        why = f" ({slots}{', concurrency_min lowered to them' if low < settings.concurrency_min else ''})" \
-            if high < settings.concurrency else ""
+            level = "" if start == server.controller.level else f" {start}"
+            how = f"the assessed best level{level}"
+        why = ""
+        if high < settings.concurrency:
+            lowered = ", concurrency_min lowered to them" if low < settings.concurrency_min else ""
+            why = f" (the server's {slot_count(high)}{lowered})"
         print(f"concurrency: auto, {redact_url(server.url)} starts at {server.controller.level} ({how}), within "
               f"[{low}, {high}]{why}", file=sys.stderr)
 

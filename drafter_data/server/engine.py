@@ -5,7 +5,8 @@ connection now and then as it is reused, and taken for "unknown" its run went on
 unexpected (a timeout, a 5xx, a proxy that forwards only /v1, an auth wall, another engine) is "unknown" at once,
 never an error, so a gateway that holds or rate-limits these paths costs seconds, not minutes. Where the engine says
 how many requests it runs at once (llama-server's /props total_slots, SGLang's max_running_requests when it was
-set and it runs one scheduler), that is its `slots`: concurrency=auto climbs no higher, as more only wait in the server's queue."""
+set and it runs one scheduler), that is its `slots`: concurrency=auto climbs no higher, as more only wait in the
+server's queue."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,13 +53,10 @@ async def _get_json(client: AsyncOpenAI, url: str) -> dict:
     for attempt in range(LOST_CONNECTION_RETRIES + 1):
         try:
             found = await client.get(url, cast_to=object)
-        except openai.APITimeoutError:
-            return {}
-        except openai.APIConnectionError:
-            if attempt == LOST_CONNECTION_RETRIES:
+        except openai.APIConnectionError as exc:  # a timeout is one too: not sent again
+            if isinstance(exc, openai.APITimeoutError) or attempt == LOST_CONNECTION_RETRIES:
                 return {}
             continue
         except (openai.APIError, ValueError):
             return {}
         return found if isinstance(found, dict) else {}
-    return {}
