@@ -62,8 +62,8 @@ Config keys (defaults in DEFAULTS; every addition is off by default, so the plai
                                /props says total_slots = slots, or 4 when unlimited (llama-server's own default
                                -np); /server_info max_running_requests = slots (unset when unlimited) and dp_size
   dp_size 1                    SGLang's data-parallel schedulers, said in /server_info
-  engine_drops 0               the first N GETs of the engine's own endpoint are closed without an answer (a connection lost
-                               to a keep-alive race, as llama-server's now and then are)
+  engine_drops 0               the first N GETs of the engine's own endpoint are closed without an answer (a
+                               connection lost to a keep-alive race, as llama-server's now and then are)
   vllm_wire False               True: the shapes a real vLLM 0.32 sends (checked against one by tests/test_vllm.py):
                                the first chunk's content is "" (not null); finish_reason "length" comes on the last
                                token's chunk, a stop by EOS in a chunk of its own with content "", the EOS id and
@@ -91,8 +91,9 @@ otherwise encode(content) + [<|im_end|>]. A tool call replaces the content by
 markers omitted (except `</think>` in the inline convention). One token per streamed chunk.
 
 Endpoints: POST /v1/chat/completions, GET /v1/models, GET /health, GET /props, /version, /server_info (see
-`engine`), POST /apply-template, /tokenize (token-id modes), GET /stats (?since=&until= for the tokens window, and the first token's time since),
-GET /requests (?since_index=N: every chat body received, with its receive time), GET /split,
+`engine`), POST /apply-template, /tokenize (token-id modes), GET /stats (?since=&until= for the tokens window,
+and the first token's time since), GET /requests (?since_index=N: every chat body received, with its receive
+time), GET /split,
 POST /config (merges a JSON object into the live config). /stats: requests, completed (request_key -> answers
 finished; abort, stream_error, truncated streams, drop and crashes are not), faults, tokens_in_window,
 tokens_total, split_prompts, crashes, crash_counts, inflight (chat requests in the handler, queued ones included),
@@ -803,7 +804,8 @@ class FakeServer:
         if self.cfg["engine"] != "llama":
             return web.json_response({"error": {"message": "File Not Found", "code": 404}}, status=404)
         return web.json_response({
-            "default_generation_settings": {"n_ctx": 4096}, "total_slots": self.cfg["slots"] or 4, "model_alias": self.cfg["models"][0],
+            "default_generation_settings": {"n_ctx": 4096}, "total_slots": self.cfg["slots"] or 4,
+            "model_alias": self.cfg["models"][0],
             "model_path": "/fake/model.gguf", "chat_template": "{{ fake }}", "build_info": "fake"})
 
     async def version(self, request):
