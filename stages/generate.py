@@ -64,6 +64,8 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     pool = await connect(cfg, spec, urls, settings, modes)
     if settings.auto:
         follow_each_server(pool, settings, assessed, str(cfg.server.get("kind")) == "local")
+    else:
+        warn_above_slots(pool, settings.concurrency, float(cfg.server.request_timeout_s))
     plan = apply(store, plan, wanted0, spec.token_ids == "on", settings.keep_reasoning)
     del wanted0
     errors = ErrorLog(Path(g.output) / "errors.jsonl", plan.valid)
@@ -132,6 +134,31 @@ async def connect(cfg, spec: RequestSpec, urls: list[str], settings: RunSettings
 
 def slot_count(n: int) -> str:
     return f"{n} slot{'s' * (n > 1)}"
+
+
+def warn_above_slots(pool: ServerPool, concurrency: int, timeout_s: float) -> None:
+    """A fixed level that sends a server more than the slots it says it has: the rest wait in its queue, a wait that
+    counts against the request timeout and makes no more tokens. The pool keeps the servers' requests even, so each
+    gets about concurrency / servers whatever its slots (the extra ones, counted here where they queue most)."""
+    slots = [s.slots for s in pool.states]
+    if not all(slots):
+        return
+    n = len(slots)
+    shares = [concurrency // n + (i < concurrency % n) for i in range(n)]
+    queued = sum(max(0, share - slot) for share, slot in zip(shares, sorted(slots)))
+    if not queued:
+        return
+    wait = f"{queued} wait{'s' * (queued == 1)}"
+    if n == 1:
+        what = f"the server runs {slots[0]} at once (its slots): {wait} in its queue"
+        fix = f"{slots[0]}"
+    else:
+        what = (f"the pool sends each of the {n} servers about {concurrency / n:.3g} and they run "
+                f"{' + '.join(map(str, slots))} at once (their slots): up to {wait} in their queues")
+        fix = f"{n * min(slots)} ({n} x the fewest slots)"
+    print(f"warning: generation.concurrency={concurrency}, but {what}, where the wait counts against "
+          f"server.request_timeout_s ({timeout_s:g} s); generation.concurrency={fix} or auto queues none",
+          file=sys.stderr)
 
 
 def follow_each_server(pool: ServerPool, settings: RunSettings, assessed: Assessment, local: bool) -> None:
@@ -249,8 +276,8 @@ def summarize(runner: Runner, store: CompletionStore, errors: ErrorLog, plan: Re
     print(f"generate: {runner.saved} completions this run{lost} ({rows_total} rows in {out_dir}), {c.errors} failed "
           f"for good, {c.retries} retries, {metrics['output_tokens_per_s']:.1f} output tok/s{check}", file=sys.stderr)
     if runner.progress.client.ever_bound:
-        print(f"generate: for {metrics['client_bound_share']:.0%} of the run (peak {metrics['client_cpu_cores_peak']:.2f} "
-              f"of a core) {CLIENT_WAY_PAST}", file=sys.stderr)
+        print(f"generate: for {metrics['client_bound_share']:.0%} of the run (peak "
+              f"{metrics['client_cpu_cores_peak']:.2f} of a core) {CLIENT_WAY_PAST}", file=sys.stderr)
 
 
 if __name__ == "__main__":

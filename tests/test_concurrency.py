@@ -503,6 +503,31 @@ def test_an_assessed_level_above_the_slots_starts_at_the_slots_and_says_so(run_s
         in proc.stderr
 
 
+def test_a_fixed_level_above_the_slots_is_warned_of(run_stage, fake_server, tmp_path):
+    """A fixed level is run-wide and the pool keeps the servers' requests even: a server gets about its share,
+    whatever its slots. A server that says no slots (here the fake's plain engine) is no reason to warn."""
+    one, two = fake_server({"engine": "llama", "slots": 2}), fake_server({"engine": "llama", "slots": 3})
+    write_prompts(tmp_path / "in", 8)
+
+    def run(out: str, level: int, *urls: str) -> str:
+        servers = f"server.base_url=[{','.join(urls)}]"
+        proc = run_stage("generate", *gen_args(urls[0], tmp_path / "in", tmp_path / out,
+                                               f"generation.concurrency={level}", servers))
+        assert len(read_rows(tmp_path / out, "completions-")) == 8
+        return proc.stderr
+
+    assert "warning: generation.concurrency=5, but the pool sends each of the 2 servers about 2.5 and they run " \
+           "2 + 3 at once (their slots): up to 1 waits in their queues" in run("a", 5, one.url, two.url)
+    stderr = run("b", 8, one.url, two.url)
+    assert "up to 3 wait in their queues" in stderr
+    assert "generation.concurrency=4 (2 x the fewest slots) or auto queues none" in stderr
+    assert "warning: generation.concurrency" not in run("d", 4, one.url, two.url)
+    assert "warning: generation.concurrency=3, but the server runs 2 at once (its slots): 1 waits in its queue" \
+        in run("e", 3, one.url)
+    assert "warning: generation.concurrency" not in run("f", 2, one.url)
+    assert "warning: generation.concurrency" not in run("g", 8, one.url, fake_server({}).url)
+
+
 def test_sglang_with_several_schedulers_is_not_capped_at_one_schedulers_requests(run_stage, fake_server, tmp_path):
     """max_running_requests is per scheduler: with dp_size 2 the server runs more than it says."""
     server = fake_server({"engine": "sglang", "slots": 3, "dp_size": 2})
