@@ -12,10 +12,11 @@ printed first. The points are drawn by GRID_SEED; HELD_OUT_SEED chose, before an
 
 `--controller gradient|aimd` runs instead the alternatives of bench/concurrency_alternatives.py (the same grid).
 `--unstreamed` tells auto of each answer only when it ends (generate.stream=false, or a token-id method that cannot
-stream, such as llama-server's).
+stream, such as llama-server's). `--no-drift` turns off the whole engine's slow drift (each sequence's speed still
+varies): how much of the miss the drift is.
 
     python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2] [--controller bracket|gradient|aimd]
-                                     [--unstreamed]
+                                     [--unstreamed] [--no-drift]
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import argparse
 import math
 import random
 import sys
+from dataclasses import replace
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -110,9 +112,12 @@ def main() -> None:
     parser.add_argument("--only", type=int, nargs="*", help="these point indices")
     parser.add_argument("--controller", default="bracket", choices=["bracket", "gradient", "aimd"])
     parser.add_argument("--unstreamed", action="store_true", help="auto learns of each answer when it ends")
+    parser.add_argument("--no-drift", action="store_true", help="no slow drift of the whole engine")
     args = parser.parse_args()
     streamed = not args.unstreamed
     points, out = grid(), held_out()
+    if args.no_drift:
+        points = [(replace(engine, drift=False), start, seconds) for engine, start, seconds in points]
     chosen = args.only if args.only else range(len(points))
     tasks = [(i, points[i], seed, args.controller, streamed) for i in chosen for seed in range(args.seeds)]
     with Pool(args.jobs) as pool:

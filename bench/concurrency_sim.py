@@ -35,6 +35,7 @@ class Engine:
     min_tokens: int = 50
     max_tokens: int = 4000
     noise: float = 0.05
+    drift: bool = True  # the whole engine's slow random walk (False: only each sequence's own speed varies)
     slots: int = 0  # 0: plateau -> knee, else 4 x knee
     move_at: float | None = None  # share of the run
     moved_knee: int | None = None
@@ -130,6 +131,8 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
         decoding = prefill <= 0
         active = int(decoding.sum())
         drift = drift * math.exp(-dt / 10) + rng.normal(0, engine.noise / 2 * math.sqrt(2 * dt / 10))
+        if not engine.drift:  # drawn all the same, so that the rest of the run's luck stays as it was
+            drift = 0.0
         step = engine.step_s(active, knee) * math.exp(drift) if active else 1.0
         progress = np.where(decoding, dt / step / speed, 0.0)
         done_tokens = np.minimum(progress, left)
