@@ -64,13 +64,13 @@ async def generate(cfg, spec: RequestSpec, urls: list[str], run) -> int:
     pool = await connect(cfg, spec, urls, settings, modes)
     if settings.auto:
         follow_each_server(pool, settings, assessed, str(cfg.server.get("kind")) == "local")
-    else:
-        warn_above_slots(pool, settings.concurrency, float(cfg.server.request_timeout_s))
     plan = apply(store, plan, wanted0, spec.token_ids == "on", settings.keep_reasoning)
     del wanted0
     errors = ErrorLog(Path(g.output) / "errors.jsonl", plan.valid)
     fresh = not_started(inputs, plan)
     total = report_resume(inputs, fresh, plan)
+    if not settings.auto:
+        warn_above_slots(pool, settings.concurrency, total, float(cfg.server.request_timeout_s))
     runner = Runner(spec, settings, pool, store, errors, run, assessed)
     run.settle(max_s=10)  # MLflow's start-up, done before the request loop rather than inside it
     ended_by = None
@@ -136,15 +136,16 @@ def slot_count(n: int) -> str:
     return f"{n} slot{'s' * (n > 1)}"
 
 
-def warn_above_slots(pool: ServerPool, concurrency: int, timeout_s: float) -> None:
+def warn_above_slots(pool: ServerPool, concurrency: int, conversations: int, timeout_s: float) -> None:
     """A fixed level that sends a server more than the slots it says it has: the rest wait in its queue, a wait that
     counts against the request timeout and makes no more tokens. The pool keeps the servers' requests even, so each
-    gets about concurrency / servers whatever its slots (the extra ones, counted here where they queue most)."""
+    gets about level / servers whatever its slots (the extra ones, counted here where they queue most); the level
+    reached is at most the conversations to do (one request each at a time)."""
     slots = [s.slots for s in pool.states]
     if not all(slots):
         return
-    n = len(slots)
-    shares = [concurrency // n + (i < concurrency % n) for i in range(n)]
+    n, level = len(slots), min(concurrency, conversations)
+    shares = [level // n + (i < level % n) for i in range(n)]
     queued = sum(max(0, share - slot) for share, slot in zip(shares, sorted(slots)))
     if not queued:
         return
@@ -153,7 +154,8 @@ def warn_above_slots(pool: ServerPool, concurrency: int, timeout_s: float) -> No
         what = f"the server runs {slots[0]} at once (its slots): {wait} in its queue"
         fix = f"{slots[0]}"
     else:
-        what = (f"the pool sends each of the {n} servers about {concurrency / n:.3g} and they run "
+        share = f"{level / n:.0f}" if level % n == 0 else f"{level / n:.1f}"
+        what = (f"the pool sends each of the {n} servers about {share} and they run "
                 f"{' + '.join(map(str, slots))} at once (their slots): up to {wait} in their queues")
         fix = f"{n * min(slots)} ({n} x the fewest slots)"
     print(f"warning: generation.concurrency={concurrency}, but {what}, where the wait counts against "

@@ -526,6 +526,9 @@ def test_a_fixed_level_above_the_slots_is_warned_of(run_stage, fake_server, tmp_
         in run("e", 3, one.url)
     assert "warning: generation.concurrency" not in run("f", 2, one.url)
     assert "warning: generation.concurrency" not in run("g", 8, one.url, fake_server({}).url)
+    write_prompts(tmp_path / "few", 2)  # the level reached is at most the conversations to do
+    proc = run_stage("generate", *gen_args(one.url, tmp_path / "few", tmp_path / "h", "generation.concurrency=8"))
+    assert "2 to generate" in proc.stderr and "warning: generation.concurrency" not in proc.stderr
 
 
 def test_sglang_with_several_schedulers_is_not_capped_at_one_schedulers_requests(run_stage, fake_server, tmp_path):
