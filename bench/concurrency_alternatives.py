@@ -1,19 +1,27 @@
 """The controllers concurrency=auto was chosen against, with LevelController's interface (level, started, arrived,
-completed, tick, history) and answered(tokens, latency), for bench/concurrency_grid.py --controller gradient|aimd.
-Latency-based, as published; the latency of an LLM request grows with its length, so both read seconds per output
-token.
+completed, tick, history) and answered(tokens, latency), for bench/concurrency_grid.py --controller
+gradient|aimd|bandit. The first two are latency-based, as published; the latency of an LLM request grows with its
+length, so both read seconds per output token.
 
 - GradientLimiter: Netflix concurrency-limits' Gradient2 (a TCP Vegas-like gradient): every second,
   gradient = clamp(TOLERANCE x long-term latency / short-term latency, 0.5, 1), new = level x gradient + sqrt(level),
   smoothed by 0.2.
 - AimdLimiter: additive increase while latency is within 1.5x of the least seen (x1.1 + 1 per second of answers),
   multiplicative decrease (x0.8) past it.
+- BanditController: auto's windows, expansion (x2 until a probe loses) and change detection, then instead of narrowing
+  and holding a unimodal bandit (OSUB, Combes & Proutiere 2014, as used for 802.11 rate adaptation): the leader (the
+  best discounted mean of log(rate) - TIE x log(level)) is played every LEAD_EVERY-th time it leads, else the highest
+  upper confidence bound among it and its neighbours x 2^(+-1/4); every window discounts all levels' statistics by
+  GAMMA (discounted UCB, Garivier & Moulines 2011) so that a server that changes is followed; a neighbour that wins
+  expands again that way from x1.25 (steps of 2^(1/4) alone climbed from 5 to a knee of 256 too slowly to matter).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
+
+from drafter_data.generation.concurrency import SHIFT, TIE, Z, LevelController, Window
 
 
 @dataclass
@@ -82,3 +90,136 @@ class AimdLimiter(_Latency):
         else:
             self._limit *= 0.8
         return self._set(self._limit)
+
+
+GAMMA = 0.95  # each decided window discounts every level's statistics (a server that changes is followed)
+LEAD_EVERY = 3  # the leader is played every 3rd time it leads, else the best upper bound of it and its neighbours
+STEP = 2 ** 0.25  # the neighbours of a level: x 2^(-1/4) and x 2^(1/4)
+PRIOR_SD, PRIOR_N = 0.1, 2.0
+
+
+@dataclass
+class _Stats:
+    n: float = 0.0
+    s: float = 0.0
+    ss: float = 0.0
+
+    def mean(self) -> float:
+        return self.s / self.n
+
+
+@dataclass
+class BanditController(LevelController):
+    stats: dict = field(default_factory=dict)
+    _led: int = 0
+    _expanding: bool = True
+    _flipped: bool = False
+    _middle_done: bool = False
+    _suspect_x: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._flipped = self.direction > 0  # from nothing, up only; from an assessed level, down then up once
+
+    @property
+    def best_rate(self) -> float:
+        st = self.stats.get(self.best)
+        return math.exp(st.mean() + TIE * math.log(self.best)) if st and st.n > 0 else 0.0
+
+    def _x(self, w: Window, level: int) -> float:
+        return math.log(max(w.rate(), 1e-9)) - TIE * math.log(level)
+
+    def _sigma(self) -> float:
+        dev, dof = PRIOR_SD ** 2 * PRIOR_N, PRIOR_N
+        for st in self.stats.values():
+            if st.n > 1:
+                dev += max(0.0, st.ss - st.s * st.s / st.n)
+                dof += st.n - 1
+        return math.sqrt(dev / dof)
+
+    def _add(self, level: int, x: float) -> None:
+        for st in self.stats.values():
+            st.n, st.s, st.ss = st.n * GAMMA, st.s * GAMMA, st.ss * GAMMA
+        st = self.stats.setdefault(level, _Stats())
+        st.n, st.s, st.ss = st.n + 1, st.s + x, st.ss + x * x
+        self.measured[level] = [None]  # for the base class: the level has been measured
+
+    def _leader(self) -> int:
+        return max(self.stats, key=lambda lv: self.stats[lv].mean())
+
+    def _decide(self, level: int, w: Window) -> int:
+        x = self._x(w, level)
+        sigma = self._sigma()
+        if level == self.best and self.best in self.stats and not self._expanding:
+            st = self.stats[level]
+            gap = x - st.mean()
+            off = abs(gap) > max(SHIFT, Z * sigma * math.sqrt(1 + 1 / st.n))
+            changed = (1 if gap > 0 else -1) if off else 0
+            if changed and self._suspect == changed:
+                prev = self._suspect_x
+                self.stats = {level: _Stats(2.0, prev + x, prev * prev + x * x)}
+                self.measured = {level: [None]}
+                self._suspect = 0
+                self._expanding, self._flipped, self._middle_done = True, True, False
+                self.direction, self.stride = changed, min(2.0, max(1.25, math.exp(abs(gap))))
+                return self._probe(level)
+            if changed:
+                self._suspect, self._suspect_x = changed, x
+                return level
+            if self._suspect:
+                self._add(level, self._suspect_x)
+            self._suspect = 0
+        old_best = self.best
+        self._add(level, x)
+        self._spread2 = sigma ** 2
+        if self._expanding:
+            if level == old_best and old_best == self._leader():
+                return self._probe(level)  # the start: first probe
+            if self._leader() == level and level != old_best:  # the probe won: on, further
+                self.best, self.stride = level, min(2.0, self.stride ** 2)
+                return self._probe(level)
+            # the probe lost
+            if not self._flipped and len(self.stats) == 2:
+                self._flipped, self.direction = True, -self.direction
+                return self._probe(self.best)
+            self._expanding = False
+            far = abs(math.log(level / self.best)) > 1.5 * math.log(STEP)
+            if far and not self._middle_done:
+                self._middle_done = True
+                return self._clamp(round(math.sqrt(level * self.best)))
+        return self._bandit()
+
+    def _probe(self, frm: int) -> int:
+        new = self._clamp(round(frm * self.stride ** self.direction))
+        if new == frm:
+            new = self._clamp(frm + self.direction)
+        if new == frm:  # at the edge
+            self._expanding = False
+            return self._bandit()
+        return new
+
+    def _bandit(self) -> int:
+        leader = self._leader()
+        if leader != self.best:
+            self._led = 0
+            if leader == self.level:
+                # a neighbour won: expand again that way, from x1.25 (a premature stop, or a knee that moved)
+                self.best, self.direction, self.stride = leader, 1 if leader > self.best else -1, 1.25
+                self._expanding, self._flipped, self._middle_done = True, True, False
+                return self._probe(leader)
+        self.best = leader
+        self._led += 1
+        if self._led % LEAD_EVERY == 1:
+            return leader
+        up = self._clamp(max(leader + 1, round(leader * STEP)))
+        down = self._clamp(min(leader - 1, round(leader / STEP)))
+        total = sum(st.n for st in self.stats.values())
+        sigma = self._sigma()
+
+        def index(lv):
+            st = self.stats.get(lv)
+            if not st or st.n < 1e-3:
+                return math.inf
+            return st.mean() + sigma * math.sqrt(2 * math.log(max(total, 1.0)) / st.n)
+
+        return max({leader, up, down}, key=lambda lv: (index(lv), lv == leader))

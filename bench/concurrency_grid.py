@@ -11,12 +11,12 @@ first. The points are drawn by GRID_SEED; HELD_OUT_SEED chose, before any tuning
 `held-out`, reported separately; docs/design/concurrency.md lists them). The issue's steep server (64 slots,
 (active/24)^2 past 24, 200-400 tokens, tok/s bending early) is point 0, over 45 s from nothing.
 
-`--controller gradient|aimd` runs instead the alternatives of bench/concurrency_alternatives.py (the same grid).
+`--controller gradient|aimd|bandit` runs instead the alternatives of bench/concurrency_alternatives.py (the same grid).
 `--unstreamed` tells auto of each answer only when it ends (generate.stream=false, or a token-id method that cannot
 stream, such as llama-server's). `--no-drift` turns off the whole engine's slow drift (each sequence's speed still
 varies): how much of the miss the drift is.
 
-    python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2] [--controller bracket|gradient|aimd]
+    python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2] [--controller bracket|gradient|aimd|bandit]
                                      [--unstreamed] [--no-drift]
 """
 from __future__ import annotations
@@ -79,8 +79,10 @@ def run_point(args) -> dict:
     def make(clock):
         if kind == "bracket":
             return LevelController.starting_at(start, 1, 256, clock=clock)
-        from bench.concurrency_alternatives import AimdLimiter, GradientLimiter
+        from bench.concurrency_alternatives import AimdLimiter, BanditController, GradientLimiter
 
+        if kind == "bandit":
+            return BanditController.starting_at(start, 1, 256, clock=clock)
         return {"gradient": GradientLimiter, "aimd": AimdLimiter}[kind](level=start or 4, low=1, high=256, clock=clock)
 
     auto = simulate(engine, make, seconds, seed, steps=steps, streamed=streamed)
@@ -123,7 +125,7 @@ def main() -> None:
     parser.add_argument("--worst", type=int, default=6, help="points run three times more, worst first")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--only", type=int, nargs="*", help="these point indices")
-    parser.add_argument("--controller", default="bracket", choices=["bracket", "gradient", "aimd"])
+    parser.add_argument("--controller", default="bracket", choices=["bracket", "gradient", "aimd", "bandit"])
     parser.add_argument("--unstreamed", action="store_true", help="auto learns of each answer when it ends")
     parser.add_argument("--no-drift", action="store_true", help="no slow drift of the whole engine")
     args = parser.parse_args()
