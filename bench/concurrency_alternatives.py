@@ -8,12 +8,13 @@ length, so both read seconds per output token.
   smoothed by 0.2.
 - AimdLimiter: additive increase while latency is within 1.5x of the least seen (x1.1 + 1 per second of answers),
   multiplicative decrease (x0.8) past it.
-- BanditController: auto's windows, expansion (x2 until a probe loses) and change detection, then instead of narrowing
+- BanditController: auto's expansion (x2 until a probe loses) and change detection, then instead of narrowing
   and holding a unimodal bandit (OSUB, Combes & Proutiere 2014, as used for 802.11 rate adaptation): the leader (the
   best discounted mean of log(rate) - TIE x log(level)) is played every LEAD_EVERY-th time it leads, else the highest
   upper confidence bound among it and its neighbours x 2^(+-1/4); every window discounts all levels' statistics by
   GAMMA (discounted UCB, Garivier & Moulines 2011) so that a server that changes is followed; a neighbour that wins
   expands again that way from x1.25 (steps of 2^(1/4) alone climbed from 5 to a knee of 256 too slowly to matter).
+  Its windows use the pooled spread of log(rate), PRIOR_SD until levels are measured, so they start 4x auto's.
 """
 from __future__ import annotations
 
