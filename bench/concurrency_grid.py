@@ -12,18 +12,24 @@ first. The points are drawn by GRID_SEED; HELD_OUT_SEED chose, before any tuning
 (active/24)^2 past 24, 200-400 tokens, tok/s bending early) is point 0, over 45 s from nothing.
 
 `--controller gradient|aimd|bandit` runs instead the alternatives of bench/concurrency_alternatives.py (the same grid).
+`--floor` runs the benchmark's own floor as well: the reference level itself from the start (an oracle that knows it),
+on other luck (seed + 1000, or --floor-offset), against the same reference; its misses are the grid's own noise.
 `--unstreamed` tells auto of each answer only when it ends (generate.stream=false, or a token-id method that cannot
 stream, such as llama-server's). `--no-drift` turns off the whole engine's slow drift (each sequence's speed still
-varies): how much of the miss the drift is.
+varies): how much of the miss the drift is. `--common-luck` pairs the comparison: in one seed auto and every fixed
+level meet the same drift path and the same n-th answer (bench/concurrency_sim.py's common_luck), so the figures
+measure the search, not which run was luckier.
 
     python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2] [--controller bracket|gradient|aimd|bandit]
-                                     [--unstreamed] [--no-drift]
+                                     [--unstreamed] [--no-drift] [--floor [--floor-offset 1000]]
+                                     [--common-luck]
 """
 from __future__ import annotations
 
 import argparse
 import math
 import random
+import statistics
 import sys
 from dataclasses import replace
 from multiprocessing import Pool
@@ -72,9 +78,9 @@ def fixed_levels(engine: Engine) -> list[int]:
 
 
 def run_point(args) -> dict:
-    index, (engine, start, seconds), seed, kind, streamed = args
+    index, (engine, start, seconds), seed, kind, streamed, common = args
     steps = int(min(12000, max(2000, seconds / 0.02)))
-    fixed = {lv: simulate(engine, lv, seconds, seed, steps=steps) for lv in fixed_levels(engine)}
+    fixed = {lv: simulate(engine, lv, seconds, seed, steps=steps, common_luck=common) for lv in fixed_levels(engine)}
 
     def make(clock):
         if kind == "bracket":
@@ -85,7 +91,7 @@ def run_point(args) -> dict:
             return BanditController.starting_at(start, 1, 256, clock=clock)
         return {"gradient": GradientLimiter, "aimd": AimdLimiter}[kind](level=start or 4, low=1, high=256, clock=clock)
 
-    auto = simulate(engine, make, seconds, seed, steps=steps, streamed=streamed)
+    auto = simulate(engine, make, seconds, seed, steps=steps, streamed=streamed, common_luck=common)
     return {"index": index, "name": engine.name, "seed": seed, "seconds": seconds,
             "auto": {"whole": auto.whole, "steady": auto.steady},
             "fixed": {lv: {"whole": r.whole, "steady": r.steady} for lv, r in fixed.items()}}
@@ -103,6 +109,26 @@ def against_best_level(rows: list[dict]) -> list[dict]:
             r[k], r[f"best_{k}"] = r["auto"][k] / r["fixed"][level][k], level
             r[f"{k}_run_best"] = r["auto"][k] / max(f[k] for f in r["fixed"].values())
     return rows
+
+
+def run_floor(args) -> dict:
+    """The reference levels of one run, held from the start on other luck: what a controller that knew them reads."""
+    r, (engine, _, seconds), offset, common = args
+    steps = int(min(12000, max(2000, seconds / 0.02)))
+    again = {lv: simulate(engine, lv, seconds, offset + r["seed"], steps=steps, every_s=1.0, common_luck=common)
+             for lv in {r["best_whole"], r["best_steady"]}}
+    rates = [rate for t, _, rate in again[r["best_steady"]].series if t > seconds / 2]
+    spread = {}
+    for w in (3, 30):
+        logs = [math.log(max(sum(rates[i:i + w]) / w, 1e-9)) for i in range(0, len(rates) - w + 1, w)]
+        spread[w] = statistics.pstdev(logs) if len(logs) > 1 else math.nan
+    ratios = {k: getattr(again[r[f"best_{k}"]], k) / r["fixed"][r[f"best_{k}"]][k] for k in ("whole", "steady")}
+    return {**r, **ratios, "spread": spread}
+
+
+def span(rows: list[dict], window: int) -> str:
+    values = [r["spread"][window] for r in rows if not math.isnan(r["spread"][window])]
+    return f"{min(values):.2f}-{max(values):.2f}" if values else "n/a"
 
 
 def shortfall(r: dict, against: str = "") -> float:
@@ -128,13 +154,17 @@ def main() -> None:
     parser.add_argument("--controller", default="bracket", choices=["bracket", "gradient", "aimd", "bandit"])
     parser.add_argument("--unstreamed", action="store_true", help="auto learns of each answer when it ends")
     parser.add_argument("--no-drift", action="store_true", help="no slow drift of the whole engine")
+    parser.add_argument("--floor", action="store_true", help="also the reference level itself, on other luck")
+    parser.add_argument("--floor-offset", type=int, default=1000, help="the floor's luck: seed + this")
+    parser.add_argument("--common-luck", action="store_true", help="auto and the fixed levels share each seed's luck")
     args = parser.parse_args()
     streamed = not args.unstreamed
     points, out = grid(), held_out()
     if args.no_drift:
         points = [(replace(engine, drift=False), start, seconds) for engine, start, seconds in points]
     chosen = args.only if args.only else range(len(points))
-    tasks = [(i, points[i], seed, args.controller, streamed) for i in chosen for seed in range(args.seeds)]
+    tasks = [(i, points[i], seed, args.controller, streamed, args.common_luck)
+             for i in chosen for seed in range(args.seeds)]
     with Pool(args.jobs) as pool:
         rows = against_best_level(pool.map(run_point, tasks))
         tuned = [r for r in rows if r["index"] not in out]
@@ -147,11 +177,24 @@ def main() -> None:
                       f"{sum(shortfall(r) < 1 for r in part)}/{len(part)}; against each run's own best fixed run: "
                       f"{min(r['whole_run_best'] for r in part):.3f} / {min(r['steady_run_best'] for r in part):.3f}, "
                       f"{sum(shortfall(r, '_run_best') < 1 for r in part)}/{len(part)} below")
+        if args.floor:
+            floor = pool.map(run_floor, [(r, points[r["index"]], args.floor_offset, args.common_luck) for r in rows])
+            print(f"\nthe floor (the reference level from the start, on other luck: seed + {args.floor_offset}): "
+                  f"{sum(shortfall(r) < 1 for r in floor)} of {len(floor)} runs below goal")
+            for label, part in (("tuning", [r for r in floor if r["index"] not in out]),
+                                ("held-out", [r for r in floor if r["index"] in out])):
+                if part:
+                    print(f"  {label}: {sum(shortfall(r) < 1 for r in part)}/{len(part)} below, worst whole "
+                          f"{min(r['whole'] for r in part):.3f}, worst steady {min(r['steady'] for r in part):.3f}")
+            missed = [r for r in floor if shortfall(r) < 1]
+            if missed:
+                print(f"  their points {sorted({r['index'] for r in missed})}; there the reference level's tok/s "
+                      f"spread (sd of log, steady half) {span(missed, 3)} over 3-s windows, {span(missed, 30)} in 30 s")
         if args.worst:
             worst = sorted({r["index"] for r in sorted(rows, key=shortfall)[:args.worst]},
                            key=lambda i: min(shortfall(r) for r in rows if r["index"] == i))
-            again = against_best_level(pool.map(run_point, [(i, points[i], 100 + k, args.controller, streamed)
-                                                            for i in worst for k in range(3)]))
+            again = against_best_level(pool.map(run_point, [(i, points[i], 100 + k, args.controller, streamed,
+                                                             args.common_luck) for i in worst for k in range(3)]))
             print("\nthe worst points, three more runs each (seeds 100-102):")
             for i in worst:
                 runs = [r for r in again if r["index"] == i]

@@ -78,12 +78,16 @@ class Clock:
 
 
 def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, steady_from: float = 0.5,
-             every_s: float | None = None, steps: int = 12000, streamed: bool = True) -> Result:
+             every_s: float | None = None, steps: int = 12000, streamed: bool = True,
+             common_luck: bool = False) -> Result:
     """The engine for `duration_s` simulated seconds at a fixed level (an int) or under a controller made by
     `level_or_controller(clock)` (a callable taking the Clock). The controller is told of each first token and of
     the tokens as they come (streamed), or (`streamed=False`, as with generate.stream=false) of each answer's
-    tokens when it ends."""
+    tokens when it ends. `common_luck`: runs of one seed share their luck whatever the level, as on one server with
+    one dataset: the engine's drift is the same path in time, the n-th request sent the same answer and speed."""
     rng = np.random.default_rng(seed)
+    lengths, speeds, drifts = ((np.random.default_rng([seed, stream]) for stream in (1, 2, 3)) if common_luck
+                               else (rng, rng, rng))
     clock = Clock()
     fixed = isinstance(level_or_controller, int)
     ctl = None if fixed else level_or_controller(clock)
@@ -116,9 +120,9 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
             in_flight = len(sent) + len(queue)
         if in_flight < level:  # the client sends while the level allows
             k = level - in_flight
-            tokens = np.clip(rng.lognormal(math.log(engine.median_tokens), engine.sigma, k), engine.min_tokens,
+            tokens = np.clip(lengths.lognormal(math.log(engine.median_tokens), engine.sigma, k), engine.min_tokens,
                              engine.max_tokens).round()
-            for tok, sp in zip(tokens, np.exp(rng.normal(0, engine.noise, k))):
+            for tok, sp in zip(tokens, np.exp(speeds.normal(0, engine.noise, k))):
                 queue.append((t, tok, sp))
         while queue and len(sent) < n_slots:
             s0, tok, sp = queue.popleft()
@@ -130,7 +134,7 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
             told = np.append(told, False)
         decoding = prefill <= 0
         active = int(decoding.sum())
-        drift = drift * math.exp(-dt / 10) + rng.normal(0, engine.noise / 2 * math.sqrt(2 * dt / 10))
+        drift = drift * math.exp(-dt / 10) + drifts.normal(0, engine.noise / 2 * math.sqrt(2 * dt / 10))
         if not engine.drift:  # drawn all the same, so that the rest of the run's luck stays as it was
             drift = 0.0
         step = engine.step_s(active, knee) * math.exp(drift) if active else 1.0
