@@ -82,9 +82,10 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
              common_luck: bool = False) -> Result:
     """The engine for `duration_s` simulated seconds at a fixed level (an int) or under a controller made by
     `level_or_controller(clock)` (a callable taking the Clock). The controller is told of each first token and of
-    the tokens as they come (streamed), or (`streamed=False`, as with generate.stream=false) of each answer's
-    tokens when it ends. `common_luck`: runs of one seed share their luck whatever the level, as on one server with
-    one dataset: the engine's drift is the same path in time, the n-th request sent the same answer and speed."""
+    the tokens as they come (streamed), and of a withdrawn request's tokens so far (lost), or (`streamed=False`, as
+    with generate.stream=false) of each answer's tokens when it ends. `common_luck`: runs of one seed share their
+    luck whatever the level, as on one server with one dataset: the engine's drift is the same path in time, the n-th
+    request sent the same answer and speed."""
     rng = np.random.default_rng(seed)
     lengths, speeds, drifts = ((np.random.default_rng([seed, stream]) for stream in (1, 2, 3)) if common_luck
                                else (rng, rng, rng))
@@ -112,6 +113,8 @@ def simulate(engine: Engine, level_or_controller, duration_s: float, seed: int, 
             if young:
                 lost = float((total[young] - left[young]).sum())  # their tokens so far are thrown away
                 produced -= lost
+                if hasattr(ctl, "withdrawn"):  # the latency-based alternatives have none
+                    ctl.withdrawn(lost)
                 steady_tokens -= lost if t >= steady_from * duration_s else 0.0
                 keep = np.ones(len(sent), dtype=bool)
                 keep[young] = False

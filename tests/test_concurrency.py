@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from drafter_data.generation.concurrency import LevelController
+from drafter_data.generation.concurrency import BUDGET, HOLD_MAX_S, LevelController
 from drafter_data.server.pool import ServerPool, ServerState
 from tests.conftest import read_rows, write_prompts
 from tests.test_generate import check_exactly_once, gen_args
@@ -177,6 +177,52 @@ def test_a_knee_that_moves_up_is_found_by_the_periodic_re_probe():
     simulate(controller, server, 200, clock)
     levels = after_a_move(controller, clock, server, 36, 200)
     assert max(levels) >= 30 and share_of_best(server, levels[100:]) >= 0.9, levels
+
+
+def reprobe_gaps(sharpness: float, withdrawn: float = 0.0, pause: tuple = (0, None), windows: int = 150) -> list:
+    """Seconds between the re-probes of a search settled at 16, on a curve that falls as level ** -sharpness past 16
+    (0.2: gently, 1: steeply); `withdrawn`: the tokens lost each time a probe steps back down to 16; `pause`: (seconds,
+    in flight) in the second re-probe nothing comes, ticked with that many requests in flight (0: an outage; the
+    level: a stall) or, in flight None, not ticked at all (a stop)."""
+    clock = [0.0]
+    controller = LevelController(level=16, low=1, high=64, clock=lambda: clock[0])
+    starts, last = [], 16
+    for _ in range(windows):
+        level = controller.level
+        if level > 16 and last == 16:
+            starts.append(clock[0])
+            for _ in range(pause[0] if len(starts) == 2 and pause[1] is not None else 0):
+                clock[0] += 1.0
+                controller.tick(pause[1])
+            clock[0] += pause[0] if len(starts) == 2 and pause[1] is None else 0
+        if window(controller, clock, 1000.0 * min(level, 16) * max(1.0, level / 16) ** -sharpness) == 16 < level:
+            controller.withdrawn(withdrawn)
+        last = level
+    return [b - a for a, b in zip(starts[1:], starts[2:])]
+
+
+def test_a_re_probe_that_costs_more_is_followed_by_a_longer_hold():
+    """Re-probes spend at most BUDGET of the best's rate: after one, the search holds for its cost / BUDGET. Above a
+    steep knee a probe costs ~4x what it costs above a gentle one (x1.25: 20% of the rate, against 4%), and the
+    tokens of the requests withdrawn as it steps back down count too."""
+    gentle, steep, withdrawn = reprobe_gaps(0.2), reprobe_gaps(1.0), reprobe_gaps(0.2, withdrawn=16000.0)
+    assert len(gentle) >= 3 and len(steep) >= 1 and len(withdrawn) >= 1, (gentle, steep, withdrawn)
+    assert min(steep) > 2 * max(gentle), (gentle, steep)
+    lost_s = 16000.0 / 16000.0  # the withdrawn tokens, in seconds of the best's rate
+    assert 0.7 * lost_s / BUDGET < min(withdrawn) - max(gentle) < 1.3 * lost_s / BUDGET, (gentle, withdrawn)
+
+
+def test_a_pause_in_a_re_probe_is_no_cost_of_it_and_a_stall_holds_no_longer_than_hold_max_s():
+    """Seconds in which nothing was in flight (a server outage, a backoff) or that were not ticked at all (the
+    process was stopped) are not counted against the re-probe they fall in: the hold after it is as long as without
+    them, not 1 / BUDGET times the pause. A stall (requests in flight, nothing coming) counts, but the hold it
+    buys lasts HOLD_MAX_S at most: re-probing goes on."""
+    usual = max(reprobe_gaps(0.2))
+    for in_flight in (0, None):
+        gaps = reprobe_gaps(0.2, pause=(300, in_flight))
+        assert usual + 300 <= max(gaps) <= usual + 300 + 10 and max(gaps[1:]) <= usual + 10, (in_flight, usual, gaps)
+    gaps = reprobe_gaps(0.2, pause=(300, 20), windows=400)
+    assert len(gaps) >= 2 and 300 + HOLD_MAX_S <= max(gaps) <= 300 + HOLD_MAX_S + 60, gaps
 
 
 def test_a_change_at_the_best_is_measured_twice_before_the_search_starts_again():
@@ -408,6 +454,7 @@ def test_a_start_far_past_a_steep_knee_withdraws_its_youngest_requests_and_sends
     assert levels[0] == 32 and min(levels) <= 16, levels
     withdrawn = summary["withdrawn_requests"]
     assert 1 <= withdrawn and summary["errors"] == summary["retries"] == 0, summary
+    assert summary["withdrawn_output_chunks"] >= 1, summary  # streamed before the step down, then thrown away
     asked = {p["messages"][0]["content"] for p in prompts}
     sent = [r for r in server.requests() if r["body"]["messages"][-1]["content"] in asked]  # (not preflight's)
     assert len(sent) == len(prompts) + withdrawn, (len(sent), withdrawn)

@@ -12,8 +12,9 @@ The search, on a log scale, over the levels measured since the server last chang
      level, down first;
   2. narrow: with a worse level on both sides, probe the geometric middle of the wider gap; a winner is the best,
      a loser the new bound on its side;
-  3. hold: once both gaps are under CLOSE, stay at the best HOLD windows (2x, 4x after re-probes that found nothing),
-     then re-probe: forget the other levels and expand from the best again, upwards first.
+  3. hold: once both gaps are under CLOSE, stay at the best HOLD windows; after a re-probe that found nothing and
+     cost c (the busy seconds of the best's rate it fell short by, withdrawn tokens included), c / BUDGET seconds
+     (HOLD_MAX_S at most); then re-probe: forget the other levels, expand from the best again, upwards first.
 The best has the highest rate / level ** TIE (a lower level wins a tie: less queueing). A neighbour within Z standard
 errors of the best (at least the spread between the best's windows) is measured again, up to POOL windows each (they
 pool). A window at the best more than SHIFT (and Z errors) off its rate is measured again; off twice the same way,
@@ -32,7 +33,9 @@ TIE = 0.02  # the preference for fewer requests in flight: rate / level ** TIE
 Z = 2.0  # a difference within Z standard errors of the two levels' pooled rates is measured again
 POOL = 3  # windows of one level pooled (and the most a level is measured while it is in doubt)
 CLOSE = math.log(1.12)  # gaps below this (or between adjacent levels) end the narrowing
-HOLD = 5  # windows at the best between re-probes
+HOLD = 5  # windows at the best between re-probes, at least
+BUDGET = 0.02  # the most of the best's rate re-probes cost: one that cost c seconds of it is followed by c / BUDGET
+HOLD_MAX_S = 600.0  # ... but no longer (a stalled server costs a re-probe without end; a knee may move up)
 SHIFT = 0.15  # the best re-measured this far off its pooled rate: the server changed
 FAR = 0.3  # a window this far below the best is decided at WINDOW_S
 WINDOW_S = 3.0  # a window's seconds, made longer (up to STRETCH x) when the best's windows spread over SPREAD
@@ -95,7 +98,9 @@ class LevelController:
     _spread2: float = 0.0  # the mean square of log(window / pooled rate) at the best: the noise between windows
     _cap: float = 2.0  # the longest stride: x1.56 on a re-probe (near a knee that may have moved, not far off it)
     _since_best: int = 0  # windows since the last at the best
-    _quiet: int = 0  # re-probes in a row that found nothing better: the hold doubles with each, up to 4x
+    _probe_rate: float | None = None  # the best's rate as the re-probe under way left it
+    _lost_s: float = 0.0  # ... and the seconds of that rate it has fallen short by so far
+    _hold_until: float = 0.0
     _window: Window = field(default_factory=Window)
     _started: float = 0.0
     _last_tick: float = 0.0
@@ -143,10 +148,17 @@ class LevelController:
             self._late += max(tokens, 1)
             self._ended += 1
 
+    def withdrawn(self, tokens: float) -> None:
+        """A request withdrawn by a step down had streamed `tokens`: lost, they count against the re-probe."""
+        if self._probe_rate:
+            self._lost_s += tokens / self._probe_rate
+
     def tick(self, in_flight: int) -> int | None:
         """Called about once a second with the server's requests in flight: the new level when it changes."""
         now = self.clock()
         tokens, seconds, self._arrived, self._last_tick = self._arrived, now - self._last_tick, 0.0, now
+        if self._probe_rate and 0 < seconds <= 60.0 and in_flight >= 0.8 * self.level:  # busy (not a pause)
+            self._lost_s += seconds - tokens / self._probe_rate
         ended, late, self._ended, self._late = self._ended, self._late, 0, 0.0
         if not self._settled:  # after a step down, the requests above the new level finish first
             if in_flight > self.level:
@@ -189,7 +201,7 @@ class LevelController:
                 fell = abs(math.log(w.rate() / self.best_rate))
                 self.direction, self.stride, self._cap = changed, min(2.0, max(1.25, math.exp(fell))), 2.0
                 self.measured = {level: [self._suspect_window, w]}
-                self._held, self._quiet, self._suspect = 0, 0, 0
+                self._held, self._suspect, self._probe_rate, self._hold_until = 0, 0, None, 0.0
                 return self._next()
             if changed:  # once could be noise: measure the best again
                 self._suspect, self._suspect_window = changed, w
@@ -204,7 +216,7 @@ class LevelController:
         old = self.best
         self.best = max(self.measured, key=lambda lv: self._score(self._rate(lv), lv))
         if self.best != old:
-            self._held, self._quiet, d = 0, 0, 1 if self.best > old else -1
+            self._held, self._probe_rate, self._hold_until, d = 0, None, 0.0, 1 if self.best > old else -1
             if not any((lv - self.best) * d > 0 for lv in self.measured):  # won outwards: stride on, longer
                 self.stride, self.direction = min(self._cap, self.stride ** 2), d
         elif level == self.best:
@@ -234,12 +246,16 @@ class LevelController:
         if gaps:
             _, d, bound = max(gaps)
             return self._clamp_away(round(math.sqrt(best * bound)), d)
-        if self._held < HOLD << min(self._quiet, 2):
+        now = self.clock()
+        if self._probe_rate and self._held and not self._since_best:  # a window at the best closed the re-probe
+            self._hold_until, self._probe_rate = now + min(HOLD_MAX_S, max(0.0, self._lost_s) / BUDGET), None
+        if self._held < HOLD or now < self._hold_until:
             return best
+        self._probe_rate, self._lost_s = self.best_rate, 0.0
         # re-probe: forget the levels above, expand again from the best by the small stride (a knee that moves up
         # shows only above the best; one that moves down, at the best itself)
         self.measured = {lv: ws for lv, ws in self.measured.items() if lv <= best}
-        self.stride, self._cap, self.direction, self._held, self._quiet = 1.25, 1.25 ** 2, 1, 0, self._quiet + 1
+        self.stride, self._cap, self.direction, self._held = 1.25, 1.25 ** 2, 1, 0
         return self._next() if best < self.high else best
 
     def _noise(self, level: int, w: Window | None = None) -> float:

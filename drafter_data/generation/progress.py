@@ -28,6 +28,7 @@ class Counters:
     retries: int = 0
     retry_reasons: Counter = field(default_factory=Counter)  # the passing faults behind them, by reason
     withdrawn: int = 0  # requests withdrawn when auto lowered a server's level (sent again, no attempt lost)
+    withdrawn_chunks: int = 0  # ... and the chunks of output they had streamed, lost (a token each on SGLang, vLLM)
     output_tokens: int = 0
     stopped_by_error: int = 0  # conversations whose later turns were lost with a turn that failed for good
     stopped_at_length: int = 0  # conversations ended by a turn cut at max_tokens (its context would be cut)
@@ -202,7 +203,7 @@ class Progress:
         steady = self.c.steady_tokens / self.c.steady_slot_s if self.c.steady_slot_s > 0 else None
         return {
             "completions": self.c.done, "errors": self.c.errors, "retries": self.c.retries,
-            "withdrawn_requests": self.c.withdrawn,
+            "withdrawn_requests": self.c.withdrawn, "withdrawn_output_chunks": self.c.withdrawn_chunks,
             "stopped_by_error": self.c.stopped_by_error, "stopped_at_length": self.c.stopped_at_length,
             "stopped_at_tool_call": self.c.stopped_at_tool_call,
             "thinking_without_reasoning": self.c.thinking_without_reasoning,

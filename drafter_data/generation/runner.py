@@ -135,15 +135,24 @@ class Runner:
                 break
             spec = server.spec or self.spec
             controller = server.controller  # concurrency=auto measures the chunks of output as they arrive
+            chunks = [0]  # of this request's output: lost if it is withdrawn
+
+            def on_output(first_s=None, controller=controller, chunks=chunks):
+                chunks[0] += 1
+                controller.arrived(first_s=first_s)
+
             call = self.pool.send(server, complete(server.client, spec, sent, tools, thinking=conv.thinking,
                                                    stream=self.settings.stream,
-                                                   on_output=controller.arrived if controller else None))
+                                                   on_output=on_output if controller else None))
             try:
                 done = await call
             except asyncio.CancelledError:
                 if not self.pool.withdrew(server, call):
                     raise
                 self.c.withdrawn += 1  # the level went down: sent again, no attempt lost
+                self.c.withdrawn_chunks += chunks[0]
+                if controller is not None:  # its output so far is lost: a cost of the level it was sent at
+                    controller.withdrawn(chunks[0])
                 continue
             except Exception as exc:  # noqa: BLE001 - every fault is classified below
                 fault = classify(exc).at(server.url)
