@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from drafter_data.generation.concurrency import BUDGET, HOLD_MAX_S, LevelController
+from drafter_data.generation.concurrency import BUDGET, HOLD, HOLD_MAX_S, WINDOW_S, LevelController
 from drafter_data.server.pool import ServerPool, ServerState
 from tests.conftest import read_rows, write_prompts
 from tests.test_generate import check_exactly_once, gen_args
@@ -223,6 +223,37 @@ def test_a_pause_in_a_re_probe_is_no_cost_of_it_and_a_stall_holds_no_longer_than
         assert usual + 300 <= max(gaps) <= usual + 300 + 10 and max(gaps[1:]) <= usual + 10, (in_flight, usual, gaps)
     gaps = reprobe_gaps(0.2, pause=(300, 20), windows=400)
     assert len(gaps) >= 2 and 300 + HOLD_MAX_S <= max(gaps) <= 300 + HOLD_MAX_S + 60, gaps
+
+
+def test_a_new_best_during_a_long_hold_is_held_hold_windows_not_the_old_bests_hold():
+    """The hold a re-probe bought belongs to the best it was measured at. Settled at 16 (steep above it), each step
+    back from a probe loses 4 s of its rate, so the hold after a re-probe is long (minutes); two windows into it the
+    rate at 16 sags 12% (too little for a change of server) and a lower level becomes the best. The search probes
+    above the new best after its own HOLD windows, not when 16's hold ends."""
+    clock, sag = [0.0], [1.0]
+    controller = LevelController(level=16, low=1, high=64, clock=lambda: clock[0])
+
+    def rate(level: int) -> float:
+        peak = 16000.0 * (level / 16) ** 0.3 if level <= 16 else 16000.0 * (16 / level) ** 2
+        return peak * (sag[0] if level == 16 else 1.0)
+
+    backs, held, changed_at, probed_after = 0, 0, None, None
+    for _ in range(200):
+        level = controller.level
+        if changed_at is not None and level > controller.best:
+            probed_after = clock[0] - changed_at
+            break
+        if window(controller, clock, rate(level)) == 16 < level:
+            controller.withdrawn(4 * 16000.0)
+            backs += 1
+        if backs >= 3 and level == 16:  # the climb's step back, then a re-probe's: in its hold
+            held += 1
+            sag[0] = 0.88 if held >= 2 else 1.0
+        if sag[0] < 1 and controller.best != 16 and changed_at is None:
+            changed_at = clock[0]
+    assert changed_at is not None and probed_after is not None, controller.history[-20:]
+    # HOLD windows and the neighbours measured again; 16's hold would be minutes (348 s when it was kept)
+    assert probed_after <= (HOLD + 6) * 2 * WINDOW_S, (probed_after, controller.history[-20:])
 
 
 def test_a_change_at_the_best_is_measured_twice_before_the_search_starts_again():

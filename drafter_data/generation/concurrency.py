@@ -157,7 +157,8 @@ class LevelController:
         """Called about once a second with the server's requests in flight: the new level when it changes."""
         now = self.clock()
         tokens, seconds, self._arrived, self._last_tick = self._arrived, now - self._last_tick, 0.0, now
-        if self._probe_rate and 0 < seconds <= 60.0 and in_flight >= 0.8 * self.level:  # busy (not a pause)
+        stopped = seconds > 60.0  # no tick for a minute (the process was stopped): what came in between is no rate
+        if self._probe_rate and 0 < seconds and not stopped and in_flight >= 0.8 * self.level:  # busy, not a pause
             self._lost_s += seconds - tokens / self._probe_rate
         ended, late, self._ended, self._late = self._ended, self._late, 0, 0.0
         if not self._settled:  # after a step down, the requests above the new level finish first
@@ -165,7 +166,7 @@ class LevelController:
                 return None
             self._settled = True
             self._start(now)
-        if seconds > 60.0:  # no tick for a minute (the process was stopped): what came in between is no rate
+        if stopped:
             self._start(now)
         if self._first_s is None or now - self._started < 1.0 + SETTLE * self._first_s or seconds <= 0:
             return None  # the new level's first tokens are still on their way (or no first tokens yet)
