@@ -239,7 +239,7 @@ def test_a_new_best_during_a_long_hold_is_held_hold_windows_not_the_old_bests_ho
 
     backs, held, changed_at, probed_after = 0, 0, None, None
     for _ in range(200):
-        level = controller.level
+        level, hold_until = controller.level, controller._hold_until
         if changed_at is not None and level > controller.best:
             probed_after = clock[0] - changed_at
             break
@@ -250,10 +250,13 @@ def test_a_new_best_during_a_long_hold_is_held_hold_windows_not_the_old_bests_ho
             held += 1
             sag[0] = 0.88 if held >= 2 else 1.0
         if sag[0] < 1 and controller.best != 16 and changed_at is None:
-            changed_at = clock[0]
+            changed_at, new_best, old_hold_left = clock[0], controller.best, hold_until - clock[0]
     assert changed_at is not None and probed_after is not None, controller.history[-20:]
-    # HOLD windows and the neighbours measured again; 16's hold would be minutes (348 s when it was kept)
-    assert probed_after <= (HOLD + 6) * 2 * WINDOW_S, (probed_after, controller.history[-20:])
+    bound = (HOLD + 6) * 2 * WINDOW_S  # HOLD windows and the neighbours measured again
+    assert old_hold_left > 2 * bound, old_hold_left  # 16's hold was still on (not ended by a change of server)
+    assert probed_after <= bound, (probed_after, controller.history[-20:])  # 348 s when 16's hold was kept
+    held_new = [level for t, level, _ in controller.history if t > changed_at and level == new_best]
+    assert len(held_new) >= HOLD, controller.history[-20:]
 
 
 def test_a_change_at_the_best_is_measured_twice_before_the_search_starts_again():
