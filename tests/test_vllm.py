@@ -31,6 +31,10 @@ from drafter_data.server.local import free_port
 from tests.conftest import read_rows, sources_override
 from tests.test_dvc_sources import clone_repo, dvc, dvc_env, ran
 
+# the module run (every stage on vLLM's CPU build) may take up to its dvc call's own 1,500 s on a slow machine: the
+# project-wide 600 s would cut the fixture short first
+pytestmark = pytest.mark.timeout(1800)
+
 STAGES = ("prepare", "assess", "generate", "tokenize")
 SINGLE = ["Name a prime number.", "Describe a red fox in one sentence.", "What is 7 times 8?", "Name a large ocean.",
           "Give a synonym for happy.", "Why is the sky blue?", "Name a planet with rings.", "Write a haiku about rain.",
