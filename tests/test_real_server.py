@@ -114,7 +114,8 @@ def test_sigterm_before_the_run_loop_still_stops_our_llama_server(tmp_path, mlfl
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # the stage only: its server runs in a session of its own
-    assert proc.wait(60) == 128 + signal.SIGTERM
+    code = proc.wait(60)
+    assert code == 128 + signal.SIGTERM, proc.stderr.read()
     deadline = time.monotonic() + 15
     while healthy(url, timeout=0.5):
         assert time.monotonic() < deadline, "the stage's llama-server was left running"
