@@ -310,11 +310,13 @@ def test_a_level_past_a_steep_knee_is_decided_on_its_streamed_tokens_before_any_
     clock = [0.0]
     controller = LevelController(level=16, low=1, high=256, clock=lambda: clock[0])
     assert window(controller, clock, 1600.0) == 32
-    for second in range(1, 5):  # at 32 a quarter of 16's tok/s; no request ends
-        assert controller.level == 32, second
+    for second in range(1, 60):  # at 32 a quarter of 16's tok/s; no request ends
         clock[0] += 1.0
         controller.arrived(400.0)
         controller.tick(32)
+        if controller.level != 32:
+            break
+    assert second <= math.ceil(1 + 0.5) + max(WINDOW_S, 0.5), second  # settled (1 s + the 0.5-s wait), one window
     assert controller.level < 32 and controller.history[-1][1:] == (32, pytest.approx(400.0))
 
 
@@ -399,13 +401,18 @@ def first_within(server: KneeServer, levels: list[int], share: float = 0.9) -> i
 def test_a_knee_that_moves_down_or_a_start_far_above_it_is_left_quickly():
     """The best level re-measured much slower means the server changed (its KV cache filled): the search strides out
     again, downwards first; and from an assessed level it probes downwards first (levels past the knee are the slow
-    ones to measure)."""
+    ones to measure). The move comes at 25 moments of the search (a window, a re-probe under way): at most of them
+    (the median) the new knee is reached within `within_s` (a move inside a window stretched by noise takes minutes:
+    docs/design/concurrency.md)."""
     for before, after, within_s in ((24, 8, 60), (40, 12, 90)):
-        server, clock = KneeServer(knee=before), [0.0]
-        controller = make(before, clock)
-        simulate(controller, server, 300, clock)
-        server.knee = after
-        assert first_within(server, simulate(controller, server, 300, clock)) <= within_s, (before, after)
+        found = []
+        for moved_at in range(250, 350, 4):
+            server, clock = KneeServer(knee=before), [0.0]
+            controller = make(before, clock)
+            simulate(controller, server, moved_at, clock)
+            server.knee = after
+            found.append(first_within(server, simulate(controller, server, 300, clock)))
+        assert sorted(found)[len(found) // 2] <= within_s, (before, after, found)
     for start, knee, within_s in ((64, 8, 120), (128, 12, 130)):
         server, clock = KneeServer(knee=knee), [0.0]
         assert first_within(server, simulate(make(start, clock), server, 600, clock)) <= within_s, (start, knee)
@@ -709,7 +716,8 @@ def test_the_client_at_a_core_is_named_as_the_limit_in_the_bar_and_the_metrics(m
 
 def test_the_first_window_waits_for_the_first_tokens_not_for_an_answer_to_end():
     """From an assessed 48 past a steep knee, answers may take minutes: the first window starts once the first
-    tokens have come (the level held 1 s + their wait by then) and is decided WINDOW_S later, with no answer ended."""
+    tokens have come (the level held 1 s + their wait by then) and is decided WINDOW_S (or that wait, if longer) later,
+    with no answer ended."""
     clock = [0.0]
     controller = LevelController.starting_at(48, 1, 256, clock=lambda: clock[0])
     for second in range(1, 30):
@@ -718,9 +726,9 @@ def test_the_first_window_waits_for_the_first_tokens_not_for_an_answer_to_end():
             controller.arrived(0, first_s=2.0)  # the first tokens came 2 s after their request was sent
         controller.arrived(300.0)
         controller.tick(48)
-        if second < 12:
+        if second < 9 + max(WINDOW_S, 2.0):
             assert not controller.history, second
-    assert controller.history[0] == (12.0, 48, pytest.approx(300.0))
+    assert controller.history[0] == (9 + max(WINDOW_S, 2.0), 48, pytest.approx(300.0))
 
 
 def test_an_unstreamed_window_waits_for_a_levels_worth_of_answers_not_for_its_seconds():
@@ -776,7 +784,7 @@ def test_an_empty_answer_does_not_make_a_streaming_server_wait_for_whole_answers
         controller.tick(48)
         if controller.history:
             break
-    assert controller.history[0] == (12.0, 48, pytest.approx(300.0, rel=0.01))
+    assert controller.history[0][1:] == (48, pytest.approx(300.0, rel=0.01)) and controller.history[0][0] < 20
 
 
 def test_unstreamed_answers_without_usage_are_waited_for_too():
