@@ -3,9 +3,9 @@
 A window measures one level by the tokens that arrive while it holds (streamed: each chunk as it comes; unstreamed:
 an answer's tokens when it ends), once it has settled: after a step down the requests above it have finished (or
 been withdrawn: server/pool.py), then the first tokens of its new requests have had time to come (1 s + SETTLE x the
-usual wait for them). It lasts WINDOW_S or that wait if longer, up to STRETCH x longer when windows of the best
-spread by over SPREAD; one FAR worse than the best, or better going up, is decided unstretched; unstreamed, it lasts
-at least until max(ANSWERS, level) answers have ended. Its standard error comes from its per-second rates.
+usual wait for them). It lasts WINDOW_S, streamed at least that wait (unstreamed: until max(ANSWERS, level)
+answers have ended), up to STRETCH x longer when windows of the best spread by over SPREAD; one FAR worse than the
+best, or better going up, is decided unstretched. Its standard error comes from its per-second rates.
 The search, on a log scale, over the levels measured since the server last changed:
   1. expand: while the best has no measured level above (or below) it, probe one stride further: x2 from nothing,
      x1.25 on a re-probe, the stride doubling while probes win (to x1.56 at most on a re-probe). From an assessed
@@ -38,8 +38,8 @@ BUDGET = 0.02  # the most of the best's rate re-probes cost: one that cost c sec
 HOLD_MAX_S = 600.0  # ... but no longer (a stalled server costs a re-probe without end; a knee may move up)
 SHIFT = 0.15  # the best re-measured this far off its pooled rate: the server changed
 FAR = 0.3  # a window this far below the best is decided at WINDOW_S
-WINDOW_S = 2.0  # a window's seconds (at least the usual first-token wait), up to STRETCH x longer when the best's
-# windows spread over SPREAD
+WINDOW_S = 2.0  # a window's seconds (streamed, at least the usual first-token wait), up to STRETCH x longer when the
+# best's windows spread over SPREAD
 SPREAD, STRETCH = 0.05, 8.0
 ANSWERS = 4  # an unstreamed window's fewest answers (and a level's worth)
 SETTLE = 1.0  # a window starts 1 s plus this many first-token waits after its level is set
@@ -174,7 +174,8 @@ class LevelController:
         w, level = self._window, self.level
         w.add(tokens, seconds, in_flight, ended, late)
         stretch = min(STRETCH, max(1.0, self._spread2 / SPREAD ** 2)) if self.measured else 1.0
-        shortest = max(WINDOW_S, self._first_s)  # shorter, requests sent together could all be waiting at once
+        # streamed, a window shorter than the first-token wait could fall while requests sent together all wait
+        shortest = max(WINDOW_S, self._first_s) if self.streams else WINDOW_S
         needed = shortest * stretch
         if self.best != level and self.best in self.measured and w.seconds >= shortest:
             ratio = self._score(w.rate(), level) / self._score(self.best_rate, self.best)
