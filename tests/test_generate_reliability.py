@@ -321,3 +321,65 @@ def test_a_shard_with_a_broken_column_is_quarantined_and_regenerated(run_stage, 
     assert [p.name for p in (tmp_path / "out.quarantine").rglob("*.parquet")] == [shard.name]
     assert "20 to generate" in run_stage("generate", *args).stderr
     check_exactly_once(prompts, tmp_path / "out")
+
+
+def test_a_write_the_disk_holds_up_stops_neither_the_bar_nor_the_levels(tmp_path):
+    """A shard write stuck in the disk (an fsync held up for a minute was seen in CI) runs beside the once-a-second
+    tick: the progress and the concurrency controllers go on, no second write starts beside it, and the rows that
+    came meanwhile are written once it is through, each once and in order."""
+    import asyncio
+    import threading
+
+    from drafter_data.generation.runner import Runner, RunSettings
+    from drafter_data.server.client import make_client
+    from drafter_data.server.pool import ServerPool, ServerState
+    from drafter_data.server.request import RequestSpec
+
+    release, first_write = threading.Event(), threading.Event()
+    writes: list[list[int]] = []
+
+    class StuckStore:
+        dir = tmp_path
+
+        def write(self, rows):
+            first_write.set()
+            assert release.wait(30)
+            writes.append([r["n"] for r in rows])
+
+    class Run:
+        def metrics(self, *a, **k):
+            pass
+
+    spec = RequestSpec(model="m", max_tokens=8, temperature=0.0, top_p=1.0, seed=None, thinking=False,
+                       thinking_kwarg="thinking")
+    settings = RunSettings(concurrency=1, stream=True, max_attempts=1, shard_rows=2, grace_s=1, target="t")
+
+    async def go() -> tuple[int, int]:
+        state = ServerState("http://127.0.0.1:9/v1", make_client("http://127.0.0.1:9/v1", "k", 1, 5))
+        runner = Runner(spec, settings, ServerPool([state], 5), StuckStore(), None, Run())
+        runner.progress.start(4)
+        ticks: list[float] = []
+        runner.follow_servers = lambda: ticks.append(time.monotonic())
+        runner.pending += [{"n": 0}, {"n": 1}]
+        runner._flush_due.set()
+        ticker = asyncio.create_task(runner.tick())
+        assert await asyncio.to_thread(first_write.wait, 10)
+        runner.pending += [{"n": 2}, {"n": 3}]  # a full shard more while the first is stuck
+        runner._flush_due.set()
+        before = len(ticks)
+        await asyncio.sleep(3.5)
+        ticks_while_stuck, writes_while_stuck = len(ticks) - before, len(writes)
+        release.set()
+        for _ in range(50):
+            if runner.saved == 4:
+                break
+            await asyncio.sleep(0.1)
+        ticker.cancel()
+        await asyncio.gather(ticker, *runner._background, return_exceptions=True)
+        await state.client.close()
+        return ticks_while_stuck, writes_while_stuck
+
+    ticks_while_stuck, writes_while_stuck = asyncio.run(go())
+    assert ticks_while_stuck >= 3, "the tick stopped while a write was stuck"
+    assert writes_while_stuck == 0
+    assert writes == [[0, 1], [2, 3]]

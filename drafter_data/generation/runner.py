@@ -277,6 +277,7 @@ class Runner:
         that keeps failing ends the run (StageError) with the count of answers not saved."""
         async with self._write_lock:
             rows = self.pending[:]
+            self._flush_due.clear()  # rows that fill a shard during this write call for the next one
             if not rows:
                 return
             for attempt in range(1, WRITE_ATTEMPTS + 1):
@@ -289,7 +290,6 @@ class Runner:
                                          f"{len(self.pending)} answers not saved; free space and re-run to "
                                          f"resume") from None
                     await asyncio.sleep(0.5 * 2 ** attempt)
-            self._flush_due.clear()
 
     async def _write(self, rows: list[dict]) -> None:
         """One shard write in a thread. It cannot be abandoned half-way: if the flushing task is cancelled, the
@@ -332,15 +332,24 @@ class Runner:
 
     async def tick(self) -> None:
         """Once a second: the progress bar; pending rows to disk every FLUSH_INTERVAL_S (sooner when a shard is
-        full); compaction every COMPACT_INTERVAL_S in the background; metrics to MLflow."""
+        full), one write at a time in the background, so that a write the disk holds up stops neither the bar nor
+        the levels; compaction every COMPACT_INTERVAL_S in the background; metrics to MLflow."""
         last_flush = last_compact = time.monotonic()
+        writing: asyncio.Task | None = None
         while True:
-            await sleep_unless(self._flush_due, 1.0)
+            if writing is None:
+                await sleep_unless(self._flush_due, 1.0)
+            else:
+                await asyncio.wait({writing}, timeout=1.0)
+                if writing.done():
+                    writing.result()  # a write that kept failing ends the run with its StageError
+                    writing = None
             now = time.monotonic()
             self.follow_servers()
             self.progress.update(self.c.conversations, self.concurrency())
-            if self._flush_due.is_set() or (now - last_flush >= FLUSH_INTERVAL_S and self.pending):
-                await self.flush()
+            due = self._flush_due.is_set() or (now - last_flush >= FLUSH_INTERVAL_S and self.pending)
+            if writing is None and due:
+                writing = self._spawn(self.flush(), "flush")
                 last_flush = now
             if now - last_compact >= COMPACT_INTERVAL_S and \
                     not any(t.get_name() == "compact" and not t.done() for t in self._background):
