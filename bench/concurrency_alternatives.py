@@ -23,8 +23,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from drafter_data.generation.concurrency import (BUDGET, CLOSE, HOLD, HOLD_MAX_S, POOL, SHIFT, TIE, Z, LevelController,
-                                                 Window)
+from drafter_data.generation.concurrency import POOL, SHIFT, TIE, Z, LevelController, Window
 
 
 @dataclass
@@ -240,7 +239,8 @@ class PairedController(LevelController):
     _last: tuple | None = None  # (level, window, when decided) of the window decided last
     _open: int | None = None  # the probe whose ratio waits for the best's next window (its other side)
     _pair2: float = 0.0  # the mean square of log(the best's window / the best's window just before it)
-    _best_spread2: float = 0.0  # the base class's spread between the best's windows (its _spread2 stays 0: no stretch)
+
+    back_after = 1  # back to the best after every probe: its next window is the probe's other side
 
     def _decide(self, level: int, w: Window) -> int:
         now = self.clock()
@@ -259,74 +259,13 @@ class PairedController(LevelController):
         if level != self.best and adjacent:
             self.diffs[level] = (self.diffs.get(level, []) + [math.log(w.rate() / last[1].rate())])[-POOL:]
             self._open = level
-        if level == self.best and self.best in self.measured:
-            self._since_best = 0
-            changed = self._changed(w)
-            if changed and self._suspect == changed:
-                fell = abs(math.log(w.rate() / self.best_rate))
-                self.direction, self.stride, self._cap = changed, min(2.0, max(1.25, math.exp(fell))), 2.0
-                self.measured, self.diffs = {level: [self._suspect_window, w]}, {}
-                self._held, self._suspect, self._probe_rate, self._hold_until = 0, 0, None, 0.0
-                return self._next()
-            if changed:
-                self._suspect, self._suspect_window = changed, w
-                return level
-            if self._suspect:
-                self.measured[level].append(self._suspect_window)
-            self._suspect = 0
-            gap = math.log(w.rate() / self.best_rate)
-            self._best_spread2 = 0.7 * self._best_spread2 + 0.3 * gap * gap
-        self.measured.setdefault(level, []).append(w)
-        self.measured[level] = self.measured[level][-POOL:]
-        old = self.best
-        self.best = max(self.measured, key=lambda lv: self._gap(lv) if lv != old else 0.0)
-        if self.best != old:
-            self._rebase(old, self.best)
-            self._held, self._probe_rate, self._hold_until, d = 0, None, 0.0, 1 if self.best > old else -1
-            if not any((lv - self.best) * d > 0 for lv in self.measured):
-                self.stride, self.direction = min(self._cap, self.stride ** 2), d
-        elif level == self.best:
-            self._held += 1
-        self._since_best = 0 if level == self.best else self._since_best + 1
-        return self._next()
+        return super()._decide(level, w)
 
-    def _next(self) -> int:
-        best = self.best
-        below = [lv for lv in self.measured if lv < best]
-        above = [lv for lv in self.measured if lv > best]
-        lo, hi = (max(below) if below else None), (min(above) if above else None)
-        if self._since_best >= 1:  # back to the best after every probe: its next window is the probe's other side
-            return best
-        open_sides = [d for d, bound, edge in ((1, hi, self.high), (-1, lo, self.low))
-                      if bound is None and best != edge]
-        if open_sides:
-            d = self.direction if self.direction in open_sides else open_sides[0]
-            return self._clamp_away(round(best * self.stride ** d), d)
-        for side in (lo, hi):
-            if side is not None and self._in_doubt(side) and len(self.diffs.get(side, self.measured[side])) < POOL:
-                return side
-        gaps = [(math.log(b / best) * d, d, b) for d, b in ((1, hi), (-1, lo)) if b is not None and abs(b - best) > 1]
-        gaps = [g for g in gaps if g[0] > CLOSE]
-        if gaps:
-            _, d, bound = max(gaps)
-            return self._clamp_away(round(math.sqrt(best * bound)), d)
-        now = self.clock()
-        if self._probe_rate and self._held and not self._since_best:
-            self._hold_until, self._probe_rate = now + min(HOLD_MAX_S, max(0.0, self._lost_s) / BUDGET), None
-        if self._held < HOLD or now < self._hold_until:
-            return best
-        self._probe_rate, self._lost_s = self.best_rate, 0.0
-        self.measured = {lv: ws for lv, ws in self.measured.items() if lv <= best}
-        self.diffs = {lv: d for lv, d in self.diffs.items() if lv <= best}
-        self.stride, self._cap, self.direction, self._held = 1.25, 1.25 ** 2, 1, 0
-        return self._next() if best < self.high else best
+    def _stretch(self) -> float:
+        return 1.0
 
-    def _gap(self, level: int) -> float:
-        """log(level's score / the best's): from its ratios to the best's windows next to it where it has them."""
-        tie = -TIE * math.log(level / self.best)
-        if level in self.diffs:
-            return sum(self.diffs[level]) / len(self.diffs[level]) + tie
-        return math.log(self._rate(level) / self.best_rate) + tie
+    def _standing(self, level: int, old: int) -> float:
+        return self._gap(level) if level != old else 0.0
 
     def _rebase(self, old: int, new: int) -> None:
         """The ratios, to the new best: each less the new best's own mean ratio to the old."""
@@ -337,13 +276,22 @@ class PairedController(LevelController):
         self.diffs = {lv: [x - g for x in d] for lv, d in self.diffs.items() if lv != new}
         self.diffs[old] = [-g]
 
+    def _forget(self, drop) -> None:
+        super()._forget(drop)
+        self.diffs = {lv: d for lv, d in self.diffs.items() if not drop(lv)}
+
+    def _again(self, side: int) -> int | None:
+        return side if len(self.diffs.get(side, self.measured[side])) < POOL else None
+
+    def _gap(self, level: int) -> float:
+        """log(level's score / the best's): from its ratios to the best's windows next to it where it has them."""
+        tie = -TIE * math.log(level / self.best)
+        if level in self.diffs:
+            return sum(self.diffs[level]) / len(self.diffs[level]) + tie
+        return math.log(self._rate(level) / self.best_rate) + tie
+
     def _in_doubt(self, level: int) -> bool:
         if level not in self.diffs:
-            return abs(self._gap(level)) < Z * math.hypot(self._noise(level), self._noise(self.best))
+            return super()._in_doubt(level)
         within = self.measured[level][-1].noise() ** 2 + self.measured[self.best][-1].noise() ** 2
         return abs(self._gap(level)) < Z * math.sqrt(max(self._pair2, within) / len(self.diffs[level]))
-
-    def _noise(self, level: int, w: Window | None = None) -> float:
-        windows = [w] if w else self.measured[level]
-        within = w.noise() if w else self._pooled(level).noise()
-        return max(within, math.sqrt(self._best_spread2 / len(windows)))

@@ -43,6 +43,7 @@ WINDOW_S = 2.0  # a window's seconds (streamed, at least the usual first-token w
 SPREAD, STRETCH = 0.05, 8.0
 ANSWERS = 4  # an unstreamed window's fewest answers (and a level's worth)
 SETTLE = 1.0  # a window starts 1 s plus this many first-token waits after its level is set
+BACK_AFTER = 3  # windows away from the best after which it is measured again (its figure is getting old)
 
 
 @dataclass
@@ -173,7 +174,7 @@ class LevelController:
             return None  # the new level's first tokens are still on their way (or no first tokens yet)
         w, level = self._window, self.level
         w.add(tokens, seconds, in_flight, ended, late)
-        stretch = min(STRETCH, max(1.0, self._spread2 / SPREAD ** 2)) if self.measured else 1.0
+        stretch = self._stretch()
         # streamed, a window shorter than the first-token wait could fall while requests sent together all wait
         shortest = max(WINDOW_S, self._first_s) if self.streams else WINDOW_S
         needed = shortest * stretch
@@ -204,6 +205,7 @@ class LevelController:
                 # towards where the change points, by as much as the rate moved (x1.25 to x2)
                 fell = abs(math.log(w.rate() / self.best_rate))
                 self.direction, self.stride, self._cap = changed, min(2.0, max(1.25, math.exp(fell))), 2.0
+                self._forget(lambda lv: True)
                 self.measured = {level: [self._suspect_window, w]}
                 self._held, self._suspect, self._probe_rate, self._hold_until = 0, 0, None, 0.0
                 return self._next()
@@ -218,8 +220,9 @@ class LevelController:
         self.measured.setdefault(level, []).append(w)
         self.measured[level] = self.measured[level][-POOL:]
         old = self.best
-        self.best = max(self.measured, key=lambda lv: self._score(self._rate(lv), lv))
+        self.best = max(self.measured, key=lambda lv: self._standing(lv, old))
         if self.best != old:
+            self._rebase(old, self.best)
             self._held, self._probe_rate, self._hold_until, d = 0, None, 0.0, 1 if self.best > old else -1
             if not any((lv - self.best) * d > 0 for lv in self.measured):  # won outwards: stride on, longer
                 self.stride, self.direction = min(self._cap, self.stride ** 2), d
@@ -233,18 +236,17 @@ class LevelController:
         below = [lv for lv in self.measured if lv < best]
         above = [lv for lv in self.measured if lv > best]
         lo, hi = (max(below) if below else None), (min(above) if above else None)
-        if self._since_best >= 3:  # the best's figure is getting old (the server may have changed): again first
+        if self._since_best >= self.back_after:  # the best's figure is getting old (the server may have changed)
             return best
         open_sides = [d for d, bound, edge in ((1, hi, self.high), (-1, lo, self.low))
                       if bound is None and best != edge]
         if open_sides:
             d = self.direction if self.direction in open_sides else open_sides[0]
             return self._clamp_away(round(best * self.stride ** d), d)
-        for side in (lo, hi):  # a neighbour within the noise: measure again, the one with fewer windows first
-            if side is not None and self._in_doubt(side):
-                pick = best if len(self.measured[best]) < len(self.measured[side]) else side
-                if len(self.measured[pick]) < POOL:
-                    return pick
+        for side in (lo, hi):  # a neighbour within the noise: measure again
+            again = self._again(side) if side is not None and self._in_doubt(side) else None
+            if again is not None:
+                return again
         gaps = [(math.log(b / best) * d, d, b) for d, b in ((1, hi), (-1, lo)) if b is not None and abs(b - best) > 1]
         gaps = [g for g in gaps if g[0] > CLOSE]
         if gaps:
@@ -258,7 +260,7 @@ class LevelController:
         self._probe_rate, self._lost_s = self.best_rate, 0.0
         # re-probe: forget the levels above, expand again from the best by the small stride (a knee that moves up
         # shows only above the best; one that moves down, at the best itself)
-        self.measured = {lv: ws for lv, ws in self.measured.items() if lv <= best}
+        self._forget(lambda lv: lv > best)
         self.stride, self._cap, self.direction, self._held = 1.25, 1.25 ** 2, 1, 0
         return self._next() if best < self.high else best
 
@@ -269,9 +271,36 @@ class LevelController:
         within = w.noise() if w else self._pooled(level).noise()
         return max(within, math.sqrt(self._spread2 / len(windows)))
 
+    # --- what a variant of the search may change (bench/concurrency_alternatives.py) ---------------------------
+
+    back_after = BACK_AFTER
+
+    def _stretch(self) -> float:
+        """How much longer than the shortest a window lasts: by as much as the best's windows spread over SPREAD."""
+        return min(STRETCH, max(1.0, self._spread2 / SPREAD ** 2)) if self.measured else 1.0
+
+    def _standing(self, level: int, old: int) -> float:
+        """The best is the level where this is highest (`old`: the best so far): its score."""
+        return self._score(self._rate(level), level)
+
+    def _rebase(self, old: int, new: int) -> None:
+        """The best has moved from `old` to `new`."""
+
+    def _forget(self, drop) -> None:
+        """The levels for which drop(level) holds are measured no more (the server changed; a re-probe)."""
+        self.measured = {lv: ws for lv, ws in self.measured.items() if not drop(lv)}
+
+    def _again(self, side: int) -> int | None:
+        """A neighbour in doubt: the level measured again, the one with fewer windows first (None: both have POOL)."""
+        pick = self.best if len(self.measured[self.best]) < len(self.measured[side]) else side
+        return pick if len(self.measured[pick]) < POOL else None
+
+    def _gap(self, level: int) -> float:
+        """log(level's score / the best's)."""
+        return math.log(self._score(self._rate(level), level) / self._score(self.best_rate, self.best))
+
     def _in_doubt(self, level: int) -> bool:
-        gap = math.log(self._score(self._rate(level), level) / self._score(self.best_rate, self.best))
-        return abs(gap) < Z * math.hypot(self._noise(level), self._noise(self.best))
+        return abs(self._gap(level)) < Z * math.hypot(self._noise(level), self._noise(self.best))
 
     def _changed(self, w: Window) -> int:
         """+1 or -1: the best's new window is that far off its pooled rate (0: it is not)."""
