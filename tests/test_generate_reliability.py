@@ -383,3 +383,68 @@ def test_a_write_the_disk_holds_up_stops_neither_the_bar_nor_the_levels(tmp_path
     assert ticks_while_stuck >= 3, "the tick stopped while a write was stuck"
     assert writes_while_stuck == 0
     assert writes == [[0, 1], [2, 3]]
+
+
+def test_a_failed_write_the_tick_did_not_see_leaves_no_unretrieved_task_error():
+    """The run ends (its ticker cancelled) in the moment a background write fails for good: the rows stay pending for
+    the final flush, which meets the same disk and says so; no 'Task exception was never retrieved' at exit (the
+    reviewer's forced timing)."""
+    import asyncio
+    import errno
+    import gc
+
+    import drafter_data.generation.runner as runner_module
+    from drafter_data.errors import StageError
+    from drafter_data.generation.runner import Runner, RunSettings
+    from drafter_data.server.client import make_client
+    from drafter_data.server.pool import ServerPool, ServerState
+    from drafter_data.server.request import RequestSpec
+
+    class FullStore:
+        dir = "/nowhere"
+
+        def write(self, rows):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    class Run:
+        def metrics(self, *a, **k):
+            pass
+
+    spec = RequestSpec(model="m", max_tokens=8, temperature=0.0, top_p=1.0, seed=None, thinking=False,
+                       thinking_kwarg="thinking")
+    settings = RunSettings(concurrency=1, stream=True, max_attempts=1, shard_rows=2, grace_s=1, target="t")
+    unretrieved: list[dict] = []
+
+    async def go() -> str:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
+        state = ServerState("http://127.0.0.1:9/v1", make_client("http://127.0.0.1:9/v1", "k", 1, 5))
+        runner = Runner(spec, settings, ServerPool([state], 5), FullStore(), None, Run())
+        runner.progress.start(2)
+        runner.pending += [{"n": 0}, {"n": 1}]
+        runner._flush_due.set()
+        ticker = asyncio.create_task(runner.tick())
+        while not any(t.get_name() == "flush" for t in runner._background):
+            await asyncio.sleep(0)
+        flush = next(t for t in runner._background if t.get_name() == "flush")
+        flush.add_done_callback(lambda t: ticker.cancel())  # the run ends in the same step as the write fails
+        del flush
+        await asyncio.gather(ticker, return_exceptions=True)
+        await asyncio.gather(*runner._background, return_exceptions=True)  # as run_all's finally
+        try:
+            await runner.flush()
+            message = ""
+        except StageError as exc:
+            message = str(exc)
+        await state.client.close()
+        gc.collect()
+        await asyncio.sleep(0)
+        return message
+
+    attempts = runner_module.WRITE_ATTEMPTS
+    runner_module.WRITE_ATTEMPTS = 1
+    try:
+        message = asyncio.run(go())
+    finally:
+        runner_module.WRITE_ATTEMPTS = attempts
+    assert "cannot write completions" in message and "2 answers not saved" in message
+    assert not [c for c in unretrieved if "never retrieved" in str(c.get("message"))], unretrieved

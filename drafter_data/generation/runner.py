@@ -350,6 +350,9 @@ class Runner:
             due = self._flush_due.is_set() or (now - last_flush >= FLUSH_INTERVAL_S and self.pending)
             if writing is None and due:
                 writing = self._spawn(self.flush(), "flush")
+                # its failure is raised here at the next tick; if the run is ending first, the rows are still
+                # pending and the final flush meets the same disk: nothing is left to report it unretrieved
+                writing.add_done_callback(lambda task: task.cancelled() or task.exception())
                 last_flush = now
             if now - last_compact >= COMPACT_INTERVAL_S and \
                     not any(t.get_name() == "compact" and not t.done() for t in self._background):
