@@ -1,7 +1,7 @@
 """The controllers concurrency=auto was chosen against, with LevelController's interface (level, started, arrived,
 completed, tick, history) and answered(tokens, latency), for bench/concurrency_grid.py --controller
-gradient|aimd|bandit|paired. The first two are latency-based, as published; the latency of an LLM request grows with its
-length, so both read seconds per output token.
+gradient|aimd|bandit|paired|hybrid. The first two are latency-based, as published; the latency of an LLM request
+grows with its length, so both read seconds per output token.
 
 - GradientLimiter: Netflix concurrency-limits' Gradient2 (a TCP Vegas-like gradient): every second,
   gradient = clamp(TOLERANCE x long-term latency / short-term latency, 0.5, 1), new = level x gradient + sqrt(level),
@@ -15,7 +15,8 @@ length, so both read seconds per output token.
   GAMMA (discounted UCB, Garivier & Moulines 2011) so that a server that changes is followed; a neighbour that wins
   expands again that way from x1.25 (steps of 2^(1/4) alone climbed from 5 to a knee of 256 too slowly to matter).
   Its windows use the pooled spread of log(rate), PRIOR_SD until levels are measured, so they start 4x auto's.
-- PairedController: auto's search with each probe judged against the best's windows next to it in time (below).
+- PairedController: auto's search with each probe judged against the best's windows next to it in time (below);
+  HybridController pairs them only while the first-token wait is under WINDOW_S, and is auto's search past it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from drafter_data.generation.concurrency import POOL, SHIFT, TIE, Z, LevelController, Window
+from drafter_data.generation.concurrency import POOL, SHIFT, TIE, WINDOW_S, Z, LevelController, Window
 
 
 @dataclass
@@ -295,3 +296,32 @@ class PairedController(LevelController):
             return super()._in_doubt(level)
         within = self.measured[level][-1].noise() ** 2 + self.measured[self.best][-1].noise() ** 2
         return abs(self._gap(level)) < Z * math.sqrt(max(self._pair2, within) / len(self.diffs[level]))
+
+
+@dataclass
+class HybridController(PairedController):
+    """PairedController while the usual first-token wait is under WINDOW_S; past it, auto's search as it stands:
+    requests sent together then wait together, and windows next to each other are bound to that phase rather than
+    cancelling the server's slow changes (point 5 of the grid, 3-s first tokens, was paired's worst)."""
+
+    def _pairs(self) -> bool:
+        return self._first_s is not None and self._first_s < WINDOW_S
+
+    @property
+    def back_after(self) -> int:
+        return PairedController.back_after if self._pairs() else LevelController.back_after
+
+    def _stretch(self) -> float:
+        return super()._stretch() if self._pairs() else LevelController._stretch(self)
+
+    def _standing(self, level: int, old: int) -> float:
+        return super()._standing(level, old) if self._pairs() else LevelController._standing(self, level, old)
+
+    def _again(self, side: int) -> int | None:
+        return super()._again(side) if self._pairs() else LevelController._again(self, side)
+
+    def _gap(self, level: int) -> float:
+        return super()._gap(level) if self._pairs() else LevelController._gap(self, level)
+
+    def _in_doubt(self, level: int) -> bool:
+        return super()._in_doubt(level) if self._pairs() else LevelController._in_doubt(self, level)

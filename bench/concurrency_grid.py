@@ -11,7 +11,7 @@ first. The points are drawn by GRID_SEED; HELD_OUT_SEED chose, before any tuning
 `held-out`, reported separately; docs/design/concurrency.md lists them). The issue's steep server (64 slots,
 (active/24)^2 past 24, 200-400 tokens, tok/s bending early) is point 0, over 45 s from nothing.
 
-`--controller gradient|aimd|bandit|paired` runs bench/concurrency_alternatives.py's alternatives instead (same grid).
+`--controller gradient|aimd|bandit|paired|hybrid` runs bench/concurrency_alternatives.py's alternatives (same grid).
 `--floor` runs the benchmark's own floor as well: the reference level itself from the start (an oracle that knows it),
 on other luck (seed + 1000, or --floor-offset), against the same reference; its misses are the grid's own noise.
 `--unstreamed` tells auto of each answer only when it ends (generate.stream=false, or a token-id method that cannot
@@ -20,7 +20,7 @@ varies): how much of the miss the drift is. `--common-luck` pairs the comparison
 level meet the same drift path and the same n-th answer (bench/concurrency_sim.py's common_luck), so the figures
 measure the search, not which run was luckier.
 
-    python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2] [--controller bracket|...|paired]
+    python bench/concurrency_grid.py [--seeds 1] [--worst 6] [--jobs 2] [--controller bracket|...|hybrid]
                                      [--unstreamed] [--no-drift] [--floor [--floor-offset 1000]]
                                      [--common-luck]
 """
@@ -85,10 +85,11 @@ def run_point(args) -> dict:
     def make(clock):
         if kind == "bracket":
             return LevelController.starting_at(start, 1, 256, clock=clock)
-        from bench.concurrency_alternatives import AimdLimiter, BanditController, GradientLimiter, PairedController
+        from bench.concurrency_alternatives import (AimdLimiter, BanditController, GradientLimiter, HybridController,
+                                                    PairedController)
 
-        if kind in ("bandit", "paired"):
-            cls = {"bandit": BanditController, "paired": PairedController}[kind]
+        if kind in ("bandit", "paired", "hybrid"):
+            cls = {"bandit": BanditController, "paired": PairedController, "hybrid": HybridController}[kind]
             return cls.starting_at(start, 1, 256, clock=clock)
         return {"gradient": GradientLimiter, "aimd": AimdLimiter}[kind](level=start or 4, low=1, high=256, clock=clock)
 
@@ -152,7 +153,8 @@ def main() -> None:
     parser.add_argument("--worst", type=int, default=6, help="points run three times more, worst first")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--only", type=int, nargs="*", help="these point indices")
-    parser.add_argument("--controller", default="bracket", choices=["bracket", "gradient", "aimd", "bandit", "paired"])
+    parser.add_argument("--controller", default="bracket", choices=["bracket", "gradient", "aimd", "bandit", "paired",
+                                                                           "hybrid"])
     parser.add_argument("--unstreamed", action="store_true", help="auto learns of each answer when it ends")
     parser.add_argument("--no-drift", action="store_true", help="no slow drift of the whole engine")
     parser.add_argument("--floor", action="store_true", help="also the reference level itself, on other luck")
