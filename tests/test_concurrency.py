@@ -125,12 +125,12 @@ def test_finds_the_knee_from_a_misleading_assessment_and_from_nothing():
         assert 10 <= sorted(levels[settle_s:])[len(levels[settle_s:]) // 2] <= 14
 
 
-def window(controller: LevelController, clock: list, rate: float, tokens: int = 100) -> int:
-    """One window at the controller's level measuring `rate` tok/s, its tokens streamed every second: the level
-    after it."""
+def window(controller: LevelController, clock: list, rate: float, tokens: int = 100, first_s: float = 0.5) -> int:
+    """One window at the controller's level measuring `rate` tok/s, its tokens streamed every second (each answer's
+    first token `first_s` after it was sent): the level after it."""
     level, decided = controller.level, len(controller.history)
-    controller.arrived(0, first_s=0.5)
-    controller.completed(tokens, 1.0, first_s=0.5)
+    controller.arrived(0, first_s=first_s)
+    controller.completed(tokens, first_s + 0.5, first_s=first_s)
     for _ in range(1000):
         clock[0] += 1.0
         controller.arrived(rate)

@@ -2,26 +2,18 @@
 first-token wait is under WINDOW_S and is auto's search past it; PairedController always pairs."""
 from bench.concurrency_alternatives import HybridController, PairedController
 from drafter_data.generation.concurrency import WINDOW_S, LevelController
+from tests.test_concurrency import window
 
 
 def levels_visited(cls, first_s: float, windows: int = 40) -> list[int]:
-    """The level of each window on a curve peaking at 16 (streamed tokens every second, each answer's first token
-    `first_s` after it was sent)."""
+    """The level of each window on a curve peaking at 16 (each answer's first token `first_s` after it was sent)."""
     clock = [0.0]
     controller = cls(level=16, low=1, high=64, clock=lambda: clock[0])
     levels = []
     for _ in range(windows):
-        level, decided = controller.level, len(controller.history)
-        controller.arrived(0, first_s=first_s)
-        controller.completed(100, first_s + 1.0, first_s=first_s)
-        rate = 1000.0 * min(level, 16) / max(1.0, level / 16) ** 2
-        for _ in range(1000):
-            clock[0] += 1.0
-            controller.arrived(rate)
-            controller.tick(level)
-            if len(controller.history) > decided:
-                break
+        level = controller.level
         levels.append(level)
+        window(controller, clock, 1000.0 * min(level, 16) / max(1.0, level / 16) ** 2, first_s=first_s)
     return levels
 
 

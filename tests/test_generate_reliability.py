@@ -323,17 +323,35 @@ def test_a_shard_with_a_broken_column_is_quarantined_and_regenerated(run_stage, 
     check_exactly_once(prompts, tmp_path / "out")
 
 
+def offline_runner(store, rows: int):
+    """A Runner writing to `store` whose server is never asked (nothing listens on port 9), `rows` rows pending and a
+    flush due: the tick's writing alone. Made inside the event loop; close its `pool.states[0].client` after."""
+    from drafter_data.generation.runner import Runner, RunSettings
+    from drafter_data.server.client import make_client
+    from drafter_data.server.pool import ServerPool, ServerState
+    from drafter_data.server.request import RequestSpec
+
+    class Run:
+        def metrics(self, *a, **k):
+            pass
+
+    spec = RequestSpec(model="m", max_tokens=8, temperature=0.0, top_p=1.0, seed=None, thinking=False,
+                       thinking_kwarg="thinking")
+    settings = RunSettings(concurrency=1, stream=True, max_attempts=1, shard_rows=2, grace_s=1, target="t")
+    state = ServerState("http://127.0.0.1:9/v1", make_client("http://127.0.0.1:9/v1", "k", 1, 5))
+    runner = Runner(spec, settings, ServerPool([state], 5), store, None, Run())
+    runner.progress.start(rows)
+    runner.pending += [{"n": i} for i in range(rows)]
+    runner._flush_due.set()
+    return runner
+
+
 def test_a_write_the_disk_holds_up_stops_neither_the_bar_nor_the_levels(tmp_path):
     """A shard write stuck in the disk (an fsync held up for a minute was seen in CI) runs beside the once-a-second
     tick: the progress and the concurrency controllers go on, no second write starts beside it, and the rows that
     came meanwhile are written once it is through, each once and in order."""
     import asyncio
     import threading
-
-    from drafter_data.generation.runner import Runner, RunSettings
-    from drafter_data.server.client import make_client
-    from drafter_data.server.pool import ServerPool, ServerState
-    from drafter_data.server.request import RequestSpec
 
     release, first_write = threading.Event(), threading.Event()
     writes: list[list[int]] = []
@@ -346,22 +364,10 @@ def test_a_write_the_disk_holds_up_stops_neither_the_bar_nor_the_levels(tmp_path
             assert release.wait(30)
             writes.append([r["n"] for r in rows])
 
-    class Run:
-        def metrics(self, *a, **k):
-            pass
-
-    spec = RequestSpec(model="m", max_tokens=8, temperature=0.0, top_p=1.0, seed=None, thinking=False,
-                       thinking_kwarg="thinking")
-    settings = RunSettings(concurrency=1, stream=True, max_attempts=1, shard_rows=2, grace_s=1, target="t")
-
     async def go() -> tuple[int, int]:
-        state = ServerState("http://127.0.0.1:9/v1", make_client("http://127.0.0.1:9/v1", "k", 1, 5))
-        runner = Runner(spec, settings, ServerPool([state], 5), StuckStore(), None, Run())
-        runner.progress.start(4)
+        runner = offline_runner(StuckStore(), 2)
         ticks: list[float] = []
         runner.follow_servers = lambda: ticks.append(time.monotonic())
-        runner.pending += [{"n": 0}, {"n": 1}]
-        runner._flush_due.set()
         ticker = asyncio.create_task(runner.tick())
         assert await asyncio.to_thread(first_write.wait, 10)
         runner.pending += [{"n": 2}, {"n": 3}]  # a full shard more while the first is stuck
@@ -376,7 +382,7 @@ def test_a_write_the_disk_holds_up_stops_neither_the_bar_nor_the_levels(tmp_path
             await asyncio.sleep(0.1)
         ticker.cancel()
         await asyncio.gather(ticker, *runner._background, return_exceptions=True)
-        await state.client.close()
+        await runner.pool.states[0].client.close()
         return ticks_while_stuck, writes_while_stuck
 
     ticks_while_stuck, writes_while_stuck = asyncio.run(go())
@@ -385,7 +391,7 @@ def test_a_write_the_disk_holds_up_stops_neither_the_bar_nor_the_levels(tmp_path
     assert writes == [[0, 1], [2, 3]]
 
 
-def test_a_failed_write_the_tick_did_not_see_leaves_no_unretrieved_task_error():
+def test_a_failed_write_the_tick_did_not_see_leaves_no_unretrieved_task_error(monkeypatch):
     """The run ends (its ticker cancelled) in the moment a background write fails for good: the rows stay pending for
     the final flush, which meets the same disk and says so; no 'Task exception was never retrieved' at exit (the
     reviewer's forced timing)."""
@@ -395,10 +401,6 @@ def test_a_failed_write_the_tick_did_not_see_leaves_no_unretrieved_task_error():
 
     import drafter_data.generation.runner as runner_module
     from drafter_data.errors import StageError
-    from drafter_data.generation.runner import Runner, RunSettings
-    from drafter_data.server.client import make_client
-    from drafter_data.server.pool import ServerPool, ServerState
-    from drafter_data.server.request import RequestSpec
 
     class FullStore:
         dir = "/nowhere"
@@ -406,22 +408,12 @@ def test_a_failed_write_the_tick_did_not_see_leaves_no_unretrieved_task_error():
         def write(self, rows):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    class Run:
-        def metrics(self, *a, **k):
-            pass
-
-    spec = RequestSpec(model="m", max_tokens=8, temperature=0.0, top_p=1.0, seed=None, thinking=False,
-                       thinking_kwarg="thinking")
-    settings = RunSettings(concurrency=1, stream=True, max_attempts=1, shard_rows=2, grace_s=1, target="t")
+    monkeypatch.setattr(runner_module, "WRITE_ATTEMPTS", 1)
     unretrieved: list[dict] = []
 
     async def go() -> str:
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
-        state = ServerState("http://127.0.0.1:9/v1", make_client("http://127.0.0.1:9/v1", "k", 1, 5))
-        runner = Runner(spec, settings, ServerPool([state], 5), FullStore(), None, Run())
-        runner.progress.start(2)
-        runner.pending += [{"n": 0}, {"n": 1}]
-        runner._flush_due.set()
+        runner = offline_runner(FullStore(), 2)
         ticker = asyncio.create_task(runner.tick())
         while not any(t.get_name() == "flush" for t in runner._background):
             await asyncio.sleep(0)
@@ -435,16 +427,11 @@ def test_a_failed_write_the_tick_did_not_see_leaves_no_unretrieved_task_error():
             message = ""
         except StageError as exc:
             message = str(exc)
-        await state.client.close()
+        await runner.pool.states[0].client.close()
         gc.collect()
         await asyncio.sleep(0)
         return message
 
-    attempts = runner_module.WRITE_ATTEMPTS
-    runner_module.WRITE_ATTEMPTS = 1
-    try:
-        message = asyncio.run(go())
-    finally:
-        runner_module.WRITE_ATTEMPTS = attempts
+    message = asyncio.run(go())
     assert "cannot write completions" in message and "2 answers not saved" in message
     assert not [c for c in unretrieved if "never retrieved" in str(c.get("message"))], unretrieved
