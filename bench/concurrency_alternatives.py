@@ -16,7 +16,9 @@ grows with its length, so both read seconds per output token.
   expands again that way from x1.25 (steps of 2^(1/4) alone climbed from 5 to a knee of 256 too slowly to matter).
   Its windows use the pooled spread of log(rate), PRIOR_SD until levels are measured, so they start 4x auto's.
 - PairedController: auto's search with each probe judged against the best's windows next to it in time (below);
-  HybridController pairs them only while the first-token wait is under WINDOW_S, and is auto's search past it.
+  HybridController pairs them only while the first-token wait is under WINDOW_S, and is auto's search past it. Both
+  keep two faults a review found (a probe with no pair re-measured without end; a new best's lucky ratio chained into
+  the others'): fixed on branch wip/hybrid-pairing, where it then ties with auto's (docs/design/concurrency.md).
 """
 from __future__ import annotations
 
